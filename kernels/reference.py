@@ -150,7 +150,7 @@ def paged_prefill_attention(
 
 
 def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
-    """qweight: [N, K // 8] int32, nibble i of word j holds column 8j + i -> [N, K] uint8 in 0..15."""
+    """qweight: [N, K // 8] int32; nibble i of word j holds column 8j + i -> [N, K] uint8 0..15."""
     shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=qweight.device)
     nib = (qweight.unsqueeze(-1) >> shifts) & 0xF
     return nib.flatten(-2).to(torch.uint8)

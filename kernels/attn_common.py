@@ -1,0 +1,159 @@
+"""Pieces shared by the paged decode and prefill attention kernels: the host-side contract
+checks and the online-softmax update over one tile of paged keys/values."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.fp8_utils import pow2
+from kernels.reference import FP8_DTYPE
+
+CACHE_DTYPES = (FP8_DTYPE, torch.bfloat16, torch.float16, torch.float32)
+
+
+def dot_precision(q: torch.Tensor) -> str:
+    """fp32 inputs get exact fp32 dots (tf32 would lose 13 mantissa bits); others ignore it."""
+    return "ieee" if q.dtype == torch.float32 else "tf32"
+
+
+def check_cache(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens) -> tuple[int, int]:
+    """Assert the README's cache contract; returns (Hkv, block_size)."""
+    hq, d = q.shape[-2:]
+    num_blocks, block_size, hkv, dk = k_cache.shape
+    assert q.dtype in (torch.bfloat16, torch.float16, torch.float32), q.dtype
+    assert k_cache.dtype in CACHE_DTYPES and v_cache.dtype == k_cache.dtype, k_cache.dtype
+    assert v_cache.shape == k_cache.shape and k_cache.stride() == v_cache.stride()
+    assert dk == d and hq % hkv == 0, (q.shape, k_cache.shape)
+    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1
+    assert block_tables.dtype == torch.int32 and block_tables.stride(-1) == 1
+    assert seq_lens.dtype == torch.int32 and seq_lens.is_contiguous()
+    assert block_tables.shape[0] == seq_lens.shape[0]
+    if k_cache.dtype == FP8_DTYPE:
+        assert k_scale is not None and v_scale is not None
+        assert k_scale.dtype == torch.int8 and k_scale.shape == (num_blocks, block_size, hkv)
+        assert v_scale.shape == k_scale.shape and v_scale.stride() == k_scale.stride()
+    return hkv, block_size
+
+
+@triton.jit
+def _load_paged(
+    cache_ptr,
+    scale_ptr,
+    blk,
+    off,
+    hkv,
+    stride_cb,
+    stride_ct,
+    stride_ch,
+    stride_eb,
+    stride_et,
+    stride_eh,
+    valid,
+    offs_d,
+    dmask,
+    IS_FP8: tl.constexpr,
+):
+    """Rows [BLOCK_N, BLOCK_D] of one KV head at the given (block, offset) pairs, and their
+    int8 scale exponents [BLOCK_N] (zeros for a non-FP8 cache). Offsets are int64."""
+    rows = blk * stride_cb + off * stride_ct + hkv * stride_ch  # [BLOCK_N] int64
+    x = tl.load(
+        cache_ptr + rows[:, None] + offs_d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0
+    )
+    if IS_FP8:
+        e = tl.load(
+            scale_ptr + blk * stride_eb + off * stride_et + hkv * stride_eh, mask=valid, other=0
+        ).to(tl.int32)
+    else:
+        e = tl.zeros(off.shape, tl.int32)
+    return x, e
+
+
+@triton.jit
+def kv_tile_update(
+    q,
+    acc,
+    m_i,
+    l_i,
+    offs_n,
+    valid,
+    mask,
+    bt_row_ptr,
+    kc_ptr,
+    vc_ptr,
+    ks_ptr,
+    vs_ptr,
+    hkv,
+    sm_scale,
+    stride_cb,
+    stride_ct,
+    stride_ch,
+    stride_eb,
+    stride_et,
+    stride_eh,
+    offs_d,
+    dmask,
+    BLOCK_SIZE: tl.constexpr,
+    IS_FP8: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Online-softmax step of q [BLOCK_M, BLOCK_D] over keys at positions offs_n [BLOCK_N].
+
+    FP8 descale: the K exponent scales score columns (exact, a power of two). The V exponent
+    is split into the tile max (applied to the fp32 product) and a per-key remainder <= 1
+    folded into p, so p stays in [0, 1] and cannot underflow in fp16.
+    """
+    blk = tl.load(bt_row_ptr + offs_n // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    off = (offs_n % BLOCK_SIZE).to(tl.int64)
+    k, ek = _load_paged(
+        kc_ptr,
+        ks_ptr,
+        blk,
+        off,
+        hkv,
+        stride_cb,
+        stride_ct,
+        stride_ch,
+        stride_eb,
+        stride_et,
+        stride_eh,
+        valid,
+        offs_d,
+        dmask,
+        IS_FP8,
+    )
+    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
+    if IS_FP8:
+        s = s * pow2(ek)[None, :]
+    s = tl.where(mask, s * sm_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # fully masked rows stay at 0
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp(s - m_safe[:, None])  # [BLOCK_M, BLOCK_N]
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v, ev = _load_paged(
+        vc_ptr,
+        vs_ptr,
+        blk,
+        off,
+        hkv,
+        stride_cb,
+        stride_ct,
+        stride_ch,
+        stride_eb,
+        stride_et,
+        stride_eh,
+        valid,
+        offs_d,
+        dmask,
+        IS_FP8,
+    )
+    if IS_FP8:
+        ev_max = tl.max(tl.where(valid, ev, -128), axis=0)
+        p = p * pow2(tl.maximum(ev - ev_max, -126))[None, :]
+    pv = tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)  # [BLOCK_M, BLOCK_D]
+    if IS_FP8:
+        pv = pv * pow2(ev_max)
+    acc = acc * alpha[:, None] + pv
+    return acc, m_new, l_i

@@ -1,0 +1,243 @@
+"""Paged decode attention (flash-decoding) over an FP8 / BF16 / FP16 / FP32 paged KV cache.
+
+One program per (sequence, KV head, KV split): it loads the KV head once and attends all
+`Hq // Hkv` query heads of its GQA group with it (padded to 16 rows for `tl.dot`).
+With one split it writes the output directly (single pass); with several, each split writes
+a normalized partial output and its log-sum-exp, and `_reduce_kernel` combines them.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.attn_common import check_cache, dot_precision, kv_tile_update
+from kernels.reference import is_fp8
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr,
+    kc_ptr,
+    vc_ptr,
+    ks_ptr,
+    vs_ptr,
+    bt_ptr,
+    lens_ptr,
+    o_ptr,
+    lse_ptr,
+    sm_scale,
+    stride_qb,
+    stride_qh,
+    stride_cb,
+    stride_ct,
+    stride_ch,
+    stride_eb,
+    stride_et,
+    stride_eh,
+    stride_btb,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    stride_lb,
+    stride_lh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    IS_FP8: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    hkv = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(lens_ptr + b)
+    # Each split covers a whole number of BLOCK_N tiles of this sequence's context.
+    tiles = tl.cdiv(seq_len, BLOCK_N)
+    tiles_per_split = tl.cdiv(tiles, NUM_SPLITS)
+    start = split * tiles_per_split * BLOCK_N
+    end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    heads = hkv * GROUP + offs_h  # [BLOCK_H] query heads of this group
+    hmask = offs_h < GROUP
+    dmask = offs_d < HEAD_DIM
+    q_ptrs = q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=hmask[:, None] & dmask[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        valid = offs_n < end
+        # Causal/length mask is per key only: every query row sees all keys < seq_len.
+        mask = hmask[:, None] & valid[None, :]
+        acc, m_i, l_i = kv_tile_update(
+            q,
+            acc,
+            m_i,
+            l_i,
+            offs_n,
+            valid,
+            mask,
+            bt_ptr + b * stride_btb,
+            kc_ptr,
+            vc_ptr,
+            ks_ptr,
+            vs_ptr,
+            hkv,
+            sm_scale,
+            stride_cb,
+            stride_ct,
+            stride_ch,
+            stride_eb,
+            stride_et,
+            stride_eh,
+            offs_d,
+            dmask,
+            BLOCK_SIZE,
+            IS_FP8,
+            PRECISION,
+        )
+
+    out = acc / tl.maximum(l_i, 1e-30)[:, None]  # empty split: l = 0, acc = 0
+    o_ptrs = o_ptr + b * stride_ob + heads[:, None] * stride_oh + split * stride_os
+    tl.store(
+        o_ptrs + offs_d[None, :],
+        out.to(o_ptr.dtype.element_ty),
+        mask=hmask[:, None] & dmask[None, :],
+    )
+    if NUM_SPLITS > 1:
+        lse = tl.where(l_i > 0, m_i + tl.log(tl.maximum(l_i, 1e-30)), float("-inf"))
+        tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=hmask)
+
+
+@triton.jit
+def _reduce_kernel(
+    part_ptr,
+    lse_ptr,
+    o_ptr,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_lb,
+    stride_lh,
+    stride_ob,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    smask = offs_s < NUM_SPLITS
+    lse = tl.load(lse_ptr + b * stride_lb + h * stride_lh + offs_s, mask=smask, other=float("-inf"))
+    w = tl.exp(lse - tl.max(lse, axis=0))  # [BLOCK_S]; split 0 is never empty
+    p_ptrs = part_ptr + b * stride_pb + h * stride_ph + offs_s[:, None] * stride_ps
+    part = tl.load(
+        p_ptrs + offs_d[None, :], mask=smask[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0
+    )
+    out = tl.sum(part * w[:, None], axis=0) / tl.sum(w, axis=0)  # [BLOCK_D]
+    o_ptrs = o_ptr + b * stride_ob + h * stride_oh + offs_d
+    tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+def choose_num_splits(batch: int, hkv: int, max_context: int, num_sms: int = 132) -> int:
+    """Split the context only when (B, Hkv) alone cannot fill the GPU and the context is long.
+
+    Aim for ~2 programs per SM with at least 512 keys per split, at most 32 splits.
+    """
+    programs = batch * hkv
+    if programs >= num_sms or max_context <= 1024:
+        return 1
+    by_occupancy = triton.cdiv(2 * num_sms, programs)
+    by_length = max(1, max_context // 512)
+    return max(1, min(by_occupancy, by_length, 32))
+
+
+def paged_decode_attention(
+    q: torch.Tensor,  # [B, Hq, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor | None,  # [num_blocks, block_size, Hkv] int8 (fp8 cache only)
+    v_scale: torch.Tensor | None,
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    seq_lens: torch.Tensor,  # [B] int32, >= 1
+    sm_scale: float,
+    num_splits: int | None = None,
+    block_n: int = 32,
+) -> torch.Tensor:
+    """Triton twin of `reference.paged_decode_attention`; `num_splits` None = heuristic."""
+    bsz, hq, d = q.shape
+    hkv, block_size = check_cache(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens)
+    assert seq_lens.shape == (bsz,)
+    if num_splits is None:
+        num_splits = choose_num_splits(bsz, hkv, block_tables.shape[1] * block_size)
+    fp8 = is_fp8(k_cache)
+    ks, vs = (k_scale, v_scale) if fp8 else (k_cache, v_cache)
+    es = k_scale.stride() if fp8 else (0, 0, 0)
+    out = torch.empty_like(q)
+    if num_splits > 1:
+        part = torch.empty(bsz, hq, num_splits, d, dtype=torch.float32, device=q.device)
+        lse = torch.empty(bsz, hq, num_splits, dtype=torch.float32, device=q.device)
+    else:
+        part, lse = out.unsqueeze(2), out  # lse unused with one split
+    group = hq // hkv
+    _decode_kernel[(bsz, hkv, num_splits)](
+        q,
+        k_cache,
+        v_cache,
+        ks,
+        vs,
+        block_tables,
+        seq_lens,
+        part,
+        lse,
+        sm_scale,
+        q.stride(0),
+        q.stride(1),
+        *k_cache.stride()[:3],
+        *es,
+        block_tables.stride(0),
+        part.stride(0),
+        part.stride(1),
+        part.stride(2),
+        lse.stride(0),
+        lse.stride(1),
+        GROUP=group,
+        HEAD_DIM=d,
+        BLOCK_SIZE=block_size,
+        BLOCK_H=max(16, triton.next_power_of_2(group)),
+        BLOCK_D=triton.next_power_of_2(d),
+        BLOCK_N=block_n,
+        NUM_SPLITS=num_splits,
+        IS_FP8=fp8,
+        PRECISION=dot_precision(q),
+    )
+    if num_splits > 1:
+        _reduce_kernel[(bsz, hq)](
+            part,
+            lse,
+            out,
+            part.stride(0),
+            part.stride(1),
+            part.stride(2),
+            lse.stride(0),
+            lse.stride(1),
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=d,
+            NUM_SPLITS=num_splits,
+            BLOCK_S=triton.next_power_of_2(num_splits),
+            BLOCK_D=triton.next_power_of_2(d),
+        )
+    return out
