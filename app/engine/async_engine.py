@@ -1,0 +1,85 @@
+"""asyncio front of the engine: step() runs in a worker thread, deltas fan out per request.
+
+add/abort calls from the event loop are queued and applied between steps, so the engine is
+only ever touched by one thread at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from app.engine.engine import Engine
+from app.engine.request import Request, RequestDelta
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._commands: list = []
+        self._loop_task: asyncio.Task | None = None
+        self._wake = asyncio.Event()
+        self._done: dict[str, set[int]] = {}  # finished output indices per request
+
+    async def generate(self, request: Request) -> AsyncIterator[RequestDelta]:
+        """Streams the request's deltas; cancelling the consumer aborts the request."""
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request.request_id] = queue
+        self._submit(("add", request))
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished and self._all_done(request, item):
+                    return
+        finally:
+            if self._queues.pop(request.request_id, None) is not None:
+                self._submit(("abort", request.request_id))
+
+    def abort(self, request_id: str) -> None:
+        self._submit(("abort", request_id))
+
+    def _all_done(self, request: Request, delta: RequestDelta) -> bool:
+        done = self._done.setdefault(request.request_id, set())
+        done.add(delta.index)
+        if len(done) < request.sampling_params.n:
+            return False
+        del self._done[request.request_id]
+        return True
+
+    def _submit(self, command) -> None:
+        self._commands.append(command)
+        self._wake.set()
+        if self._loop_task is None or self._loop_task.done():
+            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+
+    def _apply_commands(self) -> None:
+        commands, self._commands = self._commands, []
+        for kind, arg in commands:
+            if kind == "abort":
+                self.engine.abort(arg)
+                continue
+            try:
+                self.engine.add_request(arg)
+            except Exception as e:  # bad input or overload: only this request fails
+                queue = self._queues.get(arg.request_id)
+                if queue is not None:
+                    queue.put_nowait(e)
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            self._apply_commands()
+            if not self.engine.has_unfinished():
+                self._wake.clear()
+                if not self._commands:
+                    await self._wake.wait()
+                continue
+            deltas = await loop.run_in_executor(None, self.engine.step)
+            for delta in deltas:
+                queue = self._queues.get(delta.request_id)
+                if queue is not None:
+                    queue.put_nowait(delta)

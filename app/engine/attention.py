@@ -1,0 +1,53 @@
+"""Attention backends: paged attention over the KV cache, called by the model per layer.
+
+The engine writes the step's new K/V into the cache, then attends over the cache
+(write-then-read, see kernels/README.md). A backend is a table of three ops with the
+signatures of kernels/reference.py; the reference runs everywhere, Triton on CUDA.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+from app.engine.kv_cache import KVCache
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor  # [B] int32, cached + new tokens
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    is_decode: bool  # every sequence has exactly one new token
+
+
+def backend_ops(name: str, device: torch.device) -> ModuleType:
+    """Module providing kv_write / paged_decode_attention / paged_prefill_attention."""
+    if name == "reference" or (name == "auto" and device.type != "cuda"):
+        return importlib.import_module("kernels.reference")
+    if name in ("auto", "triton"):
+        return importlib.import_module("kernels.triton_ops")
+    raise ValueError(f"unknown attention backend {name!r}")
+
+
+class PagedAttention:
+    """Binds a backend to one forward pass: the model calls it as attn(layer, q, k, v)."""
+
+    def __init__(self, ops: ModuleType, cache: KVCache, meta: AttentionMetadata, scale: float):
+        self.ops, self.cache, self.meta, self.scale = ops, cache, meta, scale
+
+    def __call__(self, layer: int, q, k, v) -> torch.Tensor:
+        kc, vc, ks, vs = self.cache.layer(layer)
+        m = self.meta
+        self.ops.kv_write(k, v, kc, vc, ks, vs, m.slot_mapping)
+        if m.is_decode:
+            return self.ops.paged_decode_attention(
+                q, kc, vc, ks, vs, m.block_tables, m.seq_lens, self.scale
+            )
+        return self.ops.paged_prefill_attention(
+            q, kc, vc, ks, vs, m.block_tables, m.query_start_loc, m.seq_lens, self.scale
+        )

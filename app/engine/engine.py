@@ -1,0 +1,173 @@
+"""The engine: add_request / step / abort over one model in one process (no Ray)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from app.config import EngineConfig, ModelConfig
+from app.engine.attention import backend_ops
+from app.engine.block_hash import make_salt
+from app.engine.block_manager import BlockManager
+from app.engine.detokenizer import IncrementalDetokenizer
+from app.engine.fingerprint import eos_token_ids, model_fingerprint
+from app.engine.kv_cache import KVCache, KVCacheSpec
+from app.engine.model_runner import ModelRunner
+from app.engine.outputs import OutputProcessor
+from app.engine.request import Request, RequestDelta
+from app.engine.sampler import sample_batch
+from app.engine.scheduler import Scheduler
+from app.engine.sequence import SeqStatus, Sequence
+from app.models.loader import load_model
+from app.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, progress: bool = False):
+        self.config = config
+        self.device = config.resolved_device()
+        self.dtype = config.resolved_dtype()
+        self.model, self.model_config = load_model(
+            config.model, self.dtype, self.device, progress=progress
+        )
+        self._maybe_quantize()
+        self.tokenizer = Tokenizer.from_path(config.model, self.model_config.eos_token_ids)
+        self.fingerprint = model_fingerprint(config.model, self.dtype, config.weight_quant)
+        self.kv_spec = self._kv_spec(self.model_config)
+        self.cache = KVCache(self.kv_spec, self._num_blocks(), self.device)
+        self.blocks = BlockManager(
+            self.cache.num_blocks, self.kv_spec.block_size, config.cache.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(config.scheduler, self.blocks)
+        ops = backend_ops(config.attention_backend, self.device)
+        self.runner = ModelRunner(
+            self.model, self.cache, ops, self.model_config.head_dim, self.device
+        )
+        eos = eos_token_ids(
+            config.model, self.model_config.eos_token_ids, self.tokenizer.eos_token_ids
+        )
+        self.outputs = OutputProcessor(self.model_config.max_position_embeddings, eos)
+        self.seqs: dict[str, list[Sequence]] = {}
+        self._pending: list[RequestDelta] = []
+
+    # --- construction helpers -----------------------------------------------------
+    def _maybe_quantize(self) -> None:
+        if self.config.weight_quant is None:
+            return
+        from app.quant import apply_weight_quant  # quantization issue's module replacement
+
+        apply_weight_quant(self.model, self.model_config, self.config.weight_quant)
+
+    def _kv_spec(self, cfg: ModelConfig) -> KVCacheSpec:
+        return KVCacheSpec(
+            num_layers=cfg.num_hidden_layers,
+            num_kv_heads=cfg.num_key_value_heads,
+            head_dim=cfg.head_dim,
+            block_size=self.config.cache.block_size,
+            dtype=self.config.kv_dtype(),
+        )
+
+    def _num_blocks(self) -> int:
+        cache = self.config.cache
+        budget = cache.kv_cache_memory_bytes
+        if budget is None and self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * cache.gpu_memory_utilization)
+        budget = budget if budget is not None else cache.cpu_kv_cache_bytes
+        return self.kv_spec.num_blocks(budget)
+
+    @property
+    def salt_base(self) -> tuple[str, str, str]:
+        return self.fingerprint, self.kv_spec.dtype_name, self.kv_spec.layout
+
+    # --- the engine API -----------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.seqs:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self._validate(request)
+        salt = make_salt(*self.salt_base, request.cache_salt)
+        p = request.sampling_params
+        seqs = [
+            Sequence(
+                request,
+                i,
+                salt,
+                IncrementalDetokenizer(self.tokenizer, p.stop, p.skip_special_tokens),
+            )
+            for i in range(p.n)
+        ]
+        for later in seqs[1:]:
+            later.wait_for = seqs[0]
+        self.scheduler.add(seqs)
+        self.seqs[request.request_id] = seqs
+
+    def _validate(self, request: Request) -> None:
+        ids = request.prompt_token_ids
+        if not ids:
+            raise ValueError("prompt is empty")
+        max_len = self.model_config.max_position_embeddings
+        if len(ids) >= max_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens; the model's context is {max_len} tokens"
+            )
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or t < 0 or t >= vocab]
+        if bad:
+            raise ValueError(f"token ids out of range [0, {vocab}): {bad[:5]}")
+        need = self.blocks.blocks_for(len(ids) + 1)
+        if need > self.blocks.num_blocks:
+            raise ValueError(
+                f"prompt needs {need} KV blocks; the cache holds {self.blocks.num_blocks}"
+            )
+
+    def abort(self, request_id: str) -> None:
+        """Stops a request now and frees its KV blocks; a final 'abort' delta follows."""
+        for seq in self.seqs.pop(request_id, []):
+            if not seq.finished:
+                self.scheduler.remove(seq)
+                seq.status, seq.finish_reason = SeqStatus.FINISHED, "abort"
+                self._pending.append(self.outputs.final_delta(seq))
+
+    def has_unfinished(self) -> bool:
+        return bool(self.seqs) or bool(self._pending)
+
+    def step(self) -> list[RequestDelta]:
+        deltas, self._pending = self._pending, []
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            return deltas
+        logits, sampled = self.runner.execute(out.scheduled)
+        for seq, n in out.scheduled:
+            seq.num_computed_tokens += n
+            self.blocks.commit_full_blocks(seq)
+        for seq, (token, logprob) in zip(sampled, sample_batch(logits, sampled)):
+            seq.token_ids.append(token)
+            delta = self.outputs.process(seq, token, logprob)
+            if seq.finished:
+                self._finish(seq)
+            deltas.append(delta)
+        return deltas
+
+    def _finish(self, seq: Sequence) -> None:
+        self.scheduler.remove(seq)
+        siblings = self.seqs.get(seq.request_id, [])
+        if all(s.finished for s in siblings):
+            self.seqs.pop(seq.request_id, None)
+
+    # --- introspection for metrics and tests --------------------------------------
+    def stats(self) -> dict[str, float]:
+        s = self.blocks.stats
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "kv_blocks_total": self.blocks.num_blocks,
+            "kv_blocks_free": self.blocks.num_free,
+            "kv_cache_usage": self.blocks.usage(),
+            "prefix_cache_queries": s.queries,
+            "prefix_cache_hits": s.hits,
+            "prefix_cache_evictions": s.evictions,
+            "preemptions": self.scheduler.num_preemptions,
+        }

@@ -1,0 +1,108 @@
+"""Offline API: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+from tqdm import tqdm
+
+from app.config import CacheConfig, EngineConfig, SchedulerConfig
+from app.engine.engine import Engine
+from app.engine.request import CompletionOutput, Request, RequestOutput
+from app.engine.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str,
+        *,
+        dtype: str = "auto",
+        device: str = "auto",
+        kv_cache_dtype: str = "auto",
+        kv_cache_memory_bytes: int | None = None,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        long_prefill_chunk: int = 512,
+        weight_quant: str | None = None,
+        attention_backend: str = "auto",
+        tensor_parallel_size: int = 1,
+    ):
+        if tensor_parallel_size != 1:
+            raise NotImplementedError("tensor_parallel_size > 1 is not supported yet")
+        config = EngineConfig(
+            model=model,
+            dtype=dtype,
+            device=device,
+            weight_quant=weight_quant,
+            attention_backend=attention_backend,
+            cache=CacheConfig(
+                block_size=block_size,
+                kv_cache_dtype=kv_cache_dtype,
+                kv_cache_memory_bytes=kv_cache_memory_bytes,
+                enable_prefix_caching=enable_prefix_caching,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                long_prefill_chunk=long_prefill_chunk,
+            ),
+        )
+        self.engine = Engine(config)
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def _tokens(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        if not isinstance(prompt, list):
+            raise TypeError(
+                f"a prompt is a str or a list of token ids, got {type(prompt).__name__}"
+            )
+        return prompt
+
+    def generate(
+        self,
+        prompts: Prompt | list[Prompt],
+        params: SamplingParams | None = None,
+        *,
+        cache_salt: str | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = params or SamplingParams()
+        requests = [
+            Request(f"offline-{next(self._ids)}", self._tokens(p), params, cache_salt=cache_salt)
+            for p in prompts
+        ]
+        return self.run(requests, use_tqdm)
+
+    def run(self, requests: list[Request], use_tqdm: bool = False) -> list[RequestOutput]:
+        """Adds every request, steps until all finish; outputs in request order."""
+        outputs = {}
+        for r in requests:
+            self.engine.add_request(r)
+            n = r.sampling_params.n
+            outputs[r.request_id] = RequestOutput(
+                r.request_id, r.prompt_token_ids, [CompletionOutput(i) for i in range(n)]
+            )
+        bar = tqdm(total=len(requests), desc="generating", disable=not use_tqdm)
+        while self.engine.has_unfinished():
+            for delta in self.engine.step():
+                outputs[delta.request_id].apply(delta)
+            bar.n = sum(all(o.finish_reason for o in out.outputs) for out in outputs.values())
+            bar.refresh()
+        bar.close()
+        return [outputs[r.request_id] for r in requests]
+
+    def chat(
+        self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]], params=None
+    ) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        return self.generate([self.tokenizer.encode_chat(c) for c in conversations], params)

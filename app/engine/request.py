@@ -1,0 +1,89 @@
+"""Messages at the engine's boundary: what goes in (Request) and what comes out (deltas)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from app.engine.sampling_params import SamplingParams
+
+
+class OverloadedError(RuntimeError):
+    """The waiting queue is full; the caller should retry later (HTTP 429 / RESOURCE_EXHAUSTED)."""
+
+
+@dataclass(slots=True)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    cache_salt: str | None = None  # tenant isolation: part of every block key
+    kv_import: list[Any] | None = None  # KVChunks to load before computing the rest
+    prefill_only: bool = False  # stop after the first token and export the KV
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob) best first
+
+
+@dataclass(slots=True)
+class RequestDelta:
+    """What one step produced for one output sequence (index) of a request."""
+
+    request_id: str
+    index: int
+    new_token_ids: list[int]
+    text_delta: str
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    logprobs: list[TokenLogprob] | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    exported_chunks: list[Any] | None = None
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    num_cached_tokens: int = 0
+
+    # The first completion's fields, for the common n == 1 case.
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def logprobs(self) -> list[TokenLogprob] | None:
+        return self.outputs[0].logprobs
+
+    def apply(self, delta: RequestDelta) -> None:
+        out = self.outputs[delta.index]
+        out.token_ids.extend(delta.new_token_ids)
+        out.text += delta.text_delta
+        if delta.logprobs is not None:
+            out.logprobs = (out.logprobs or []) + delta.logprobs
+        if delta.finished:
+            out.finish_reason = delta.finish_reason
+        self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)

@@ -1,0 +1,109 @@
+"""Continuous batching: which sequences run this step and how many tokens each computes.
+
+Per step, under a token budget: running decodes first (one token each), then running
+prefills continue (chunked), then waiting sequences are admitted. When the block pool runs
+dry the most recently admitted sequence is preempted: its blocks are released (they stay in
+the prefix cache) and it is recomputed later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from app.config import SchedulerConfig
+from app.engine.block_manager import BlockManager
+from app.engine.request import OverloadedError
+from app.engine.sequence import SeqStatus, Sequence
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (seq, new tokens)
+    preempted: list[Sequence] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager):
+        self.config = config
+        self.blocks = blocks
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seqs: list[Sequence]) -> None:
+        if len(self.waiting) + len(seqs) > self.config.max_waiting:
+            raise OverloadedError(
+                f"server overloaded: {len(self.waiting)} requests already waiting "
+                f"(limit {self.config.max_waiting}); retry later"
+            )
+        self.waiting.extend(seqs)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        decodes = [s for s in self.running if s.is_decode]
+        prefills = [s for s in self.running if not s.is_decode]
+        for seq in decodes + prefills:
+            if seq.status is not SeqStatus.RUNNING or budget == 0:
+                continue
+            n = min(seq.num_uncomputed, budget, self.config.long_prefill_chunk)
+            if self._reserve(seq, n, out):
+                out.scheduled.append((seq, n))
+                budget -= n
+        if not out.preempted:  # memory is short: don't admit what would be preempted next
+            self._admit(out, budget)
+        return out
+
+    def _reserve(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
+        """Finds blocks for n more tokens of seq, preempting later sequences if needed."""
+        scheduled = {s.seq_id for s, _ in out.scheduled}
+        while not self.blocks.ensure_slots(seq, seq.num_computed_tokens + n):
+            victims = [s for s in self.running if s.seq_id not in scheduled and s is not seq]
+            self.preempt(victims[-1] if victims else seq, out)
+            if not victims:
+                return False
+        return True
+
+    def preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq)
+        seq.reset_for_recompute()
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+        self.num_preemptions += 1
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        for seq in list(self.waiting):
+            if budget == 0 or len(self.running) >= self.config.max_num_seqs:
+                return
+            if seq.wait_for is not None and not _sibling_ready(seq.wait_for):
+                continue
+            if not seq.block_table:
+                self.blocks.match_prefix(seq)
+            n = min(seq.num_uncomputed, budget, self.config.long_prefill_chunk)
+            if not self.blocks.ensure_slots(seq, seq.num_computed_tokens + n):
+                self.blocks.free(seq)  # give back pinned prefix blocks; retry next step
+                seq.reset_for_recompute()
+                return
+            self.waiting.remove(seq)
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append((seq, n))
+            budget -= n
+
+    def remove(self, seq: Sequence) -> None:
+        """Drops a finished or aborted sequence and releases its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free(seq)
+
+
+def _sibling_ready(first: Sequence) -> bool:
+    """n > 1: later samples start once the first has the prompt's KV in the prefix cache."""
+    return first.prompt_done or first.finished

@@ -1,0 +1,89 @@
+"""One output sequence: its tokens, progress and KV block table (no tensors here)."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+
+import torch
+
+from app.engine.detokenizer import IncrementalDetokenizer
+from app.engine.request import Request, TokenLogprob
+from app.engine.sampling_params import SamplingParams
+
+_ids = itertools.count()
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(
+        self, request: Request, index: int, salt: bytes, detok: IncrementalDetokenizer | None
+    ):
+        self.seq_id = next(_ids)
+        self.request = request
+        self.request_id = request.request_id
+        self.index = index
+        self.params: SamplingParams = request.sampling_params
+        self.token_ids: list[int] = list(request.prompt_token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served from a cache (local or imported)
+        self.block_table: list[int] = []
+        self.block_keys: list[bytes] = []  # keys of the full blocks, in order
+        self.salt = salt
+        self.status = SeqStatus.WAITING
+        self.finish_reason: str | None = None
+        self.detok = detok
+        self.generator = _generator(self.params.seed, index)
+        self.pending_logprobs: list[TokenLogprob] = []
+        self.wait_for: Sequence | None = None  # n > 1: siblings wait for the prompt's KV
+        self.exported_chunks: list | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_computed_tokens >= self.num_prompt_tokens and self.num_uncomputed == 1
+
+    @property
+    def prompt_done(self) -> bool:
+        return self.num_computed_tokens >= self.num_prompt_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    def reset_for_recompute(self) -> None:
+        """Preempted: drop the KV; prompt and outputs so far are recomputed as one prefill."""
+        self.num_computed_tokens = 0
+        self.block_table = []
+        self.block_keys = []
+        self.status = SeqStatus.WAITING
+
+
+def _generator(seed: int | None, index: int) -> torch.Generator:
+    g = torch.Generator()
+    if seed is None:
+        g.seed()
+    else:
+        g.manual_seed(seed * 1000003 + index)
+    return g

@@ -1,0 +1,169 @@
+"""Tensor-parallel-ready building blocks shared by the model families.
+
+Each parameter carries a `weight_loader(param, loaded, shard_id)` that copies this rank's
+slice of a checkpoint tensor into it, so loading is table-driven (see loader.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from app.models.parallel import SINGLE, TPContext
+
+
+def _param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+def _copy_into(param: torch.Tensor, loaded: torch.Tensor) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"checkpoint tensor shape {tuple(loaded.shape)} != {tuple(param.shape)}")
+    param.data.copy_(loaded)
+
+
+class LinearBase(nn.Module):
+    """y = x W^T + b over this rank's slice of W: [out_per_rank, in_per_rank]."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPContext):
+        super().__init__()
+        self.tp = tp
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = _param(out_features, in_features)
+        self.weight.weight_loader = self.weight_loader
+        self.bias = _param(out_features) if bias else None
+        if bias:
+            self.bias.weight_loader = self.weight_loader
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        _copy_into(param, loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    def __init__(self, in_features: int, out_features: int, bias=False, tp: TPContext = SINGLE):
+        super().__init__(in_features, out_features, bias, tp)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split across ranks; output stays sharded unless gather_output."""
+
+    def __init__(self, in_f: int, out_f: int, bias=False, tp=SINGLE, gather_output=False):
+        super().__init__(in_f, tp.split(out_f, "output features"), bias, tp)
+        self.gather_output = gather_output
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        n = param.shape[0]
+        _copy_into(param, loaded.narrow(0, self.tp.rank * n, n))
+
+    def forward(self, x):
+        y = super().forward(x)
+        return self.tp.all_gather_last(y) if self.gather_output else y
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections stored as one (e.g. gate_proj + up_proj)."""
+
+    def __init__(self, in_f: int, out_sizes: list[int], bias=False, tp=SINGLE):
+        super().__init__(in_f, sum(out_sizes), bias, tp)
+        self.out_sizes = [tp.split(n, "output features") for n in out_sizes]
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        size = self.out_sizes[shard_id]
+        offset = sum(self.out_sizes[:shard_id])
+        shard = loaded.narrow(0, self.tp.rank * size, size)
+        _copy_into(param.data.narrow(0, offset, size), shard)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections in one matmul; heads split by rank (KV heads replicated
+    when there are fewer of them than ranks)."""
+
+    def __init__(self, hidden: int, head_dim: int, n_heads: int, n_kv: int, bias=False, tp=SINGLE):
+        self.n_heads = tp.split(n_heads, "num_attention_heads")
+        self.n_kv = max(1, n_kv // tp.size)
+        if n_kv >= tp.size:
+            tp.split(n_kv, "num_key_value_heads")
+        self.kv_replicas = max(1, tp.size // n_kv)
+        self.head_dim = head_dim
+        out = (self.n_heads + 2 * self.n_kv) * head_dim * tp.size
+        super().__init__(hidden, out, bias, tp)
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        d = self.head_dim
+        q, kv = self.n_heads * d, self.n_kv * d
+        if shard_id == "q":
+            offset, size, start = 0, q, self.tp.rank * q
+        else:
+            offset = q if shard_id == "k" else q + kv
+            size, start = kv, (self.tp.rank // self.kv_replicas) * kv
+        _copy_into(param.data.narrow(0, offset, size), loaded.narrow(0, start, size))
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split across ranks; partial sums are all-reduced, then bias added."""
+
+    def __init__(self, in_f: int, out_f: int, bias=False, tp=SINGLE):
+        super().__init__(tp.split(in_f, "input features"), out_f, bias, tp)
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        if param.dim() == 1:  # bias is not split
+            return _copy_into(param, loaded)
+        n = param.shape[1]
+        _copy_into(param, loaded.narrow(1, self.tp.rank * n, n))
+
+    def forward(self, x):
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows of the embedding table split across ranks; out-of-shard ids contribute zeros."""
+
+    def __init__(self, vocab: int, dim: int, tp: TPContext = SINGLE):
+        super().__init__()
+        self.tp = tp
+        self.vocab_per_rank = -(-vocab // tp.size)
+        self.start = tp.rank * self.vocab_per_rank
+        self.vocab = vocab
+        self.weight = _param(self.vocab_per_rank, dim)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        rows = loaded[self.start : self.start + self.vocab_per_rank]
+        param.data.zero_()
+        param.data[: rows.shape[0]].copy_(rows)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        inside = (local >= 0) & (local < self.vocab_per_rank)
+        out = F.embedding(local.clamp(0, self.vocab_per_rank - 1), self.weight)
+        out = out * inside.unsqueeze(-1)
+        return self.tp.all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Vocab-sharded output projection; logits gathered to full vocab: [N, V] float32."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight).float()
+        return self.tp.all_gather_last(logits)[..., : self.vocab]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = _param(dim)
+        self.weight.weight_loader = lambda p, w, s=None: _copy_into(p, w)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)

@@ -1,0 +1,131 @@
+"""Llama-style dense decoders: Llama 2/3, Qwen2 (qkv bias), Qwen3 (q/k norm), Mistral."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from app.config import ModelConfig
+from app.models.layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from app.models.parallel import SINGLE, TPContext
+from app.models.rotary import RotaryEmbedding
+
+
+class AttentionFn(Protocol):
+    """Paged attention supplied by the engine: writes k/v to the layer's cache, then attends.
+
+    q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq, D]
+    """
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor): ...
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TPContext, rotary: RotaryEmbedding):
+        super().__init__()
+        self.layer = layer
+        d = cfg.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size,
+            d,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            bias=cfg.attention_bias,
+            tp=tp,
+        )
+        self.n_heads, self.n_kv, self.head_dim = self.qkv_proj.n_heads, self.qkv_proj.n_kv, d
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, tp=tp)
+        self.rotary = rotary  # shared by all layers
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def forward(self, positions, x, attn: AttentionFn):  # x: [T, hidden]
+        t, d = x.shape[0], self.head_dim
+        q, k, v = self.qkv_proj(x).split([self.n_heads * d, self.n_kv * d, self.n_kv * d], -1)
+        q, k, v = q.view(t, self.n_heads, d), k.view(t, self.n_kv, d), v.view(t, self.n_kv, d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        o = attn(self.layer, q, k, v)  # [T, Hq, D]
+        return self.o_proj(o.reshape(t, self.n_heads * d))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPContext):
+        super().__init__()
+        i = cfg.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [i, i], tp=tp)
+        self.down_proj = RowParallelLinear(i, cfg.hidden_size, tp=tp)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TPContext, rotary: RotaryEmbedding):
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, layer, tp, rotary)
+        self.mlp = LlamaMLP(cfg, tp)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions, x, attn):
+        x = x + self.self_attn(positions, self.input_layernorm(x), attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPContext):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        rotary = RotaryEmbedding(
+            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, i, tp, rotary) for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, ids, positions, attn):
+        x = self.embed_tokens(ids)
+        for layer in self.layers:
+            x = layer(positions, x, attn)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint name fragment -> (our parameter fragment, shard id)
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, cfg: ModelConfig, tp: TPContext = SINGLE):
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg, tp)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn):
+        """ids, positions: [T] -> hidden states [T, hidden]."""
+        return self.model(ids, positions, attn)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, hidden] -> logits [N, vocab] float32."""
+        return self.lm_head(hidden)

@@ -1,0 +1,84 @@
+"""Builds a model from a Hugging Face checkpoint folder (safetensors, memory-mapped)."""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+from collections.abc import Iterable, Iterator
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from tqdm import tqdm
+
+from app.config import ModelConfig
+from app.models.parallel import SINGLE, TPContext
+from app.models.registry import model_class
+
+log = logging.getLogger(__name__)
+# Buffers some checkpoints carry that our modules recompute.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def safetensors_files(path: str) -> list[str]:
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path!r}")
+    return files
+
+
+def iter_checkpoint(path: str, progress: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields (name, tensor) for every tensor of every shard, memory-mapped."""
+    for file in tqdm(safetensors_files(path), desc="loading shards", disable=not progress):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                yield name, f.get_tensor(name)
+
+
+def _route(model: nn.Module, name: str) -> tuple[str, object]:
+    """Checkpoint name -> (our parameter name, shard id) via packed_modules_mapping."""
+    for fragment, (ours, shard) in getattr(model, "packed_modules_mapping", {}).items():
+        if f".{fragment}." in name:
+            return name.replace(f".{fragment}.", f".{ours}."), shard
+    return name, None
+
+
+def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        if name.endswith(IGNORED_SUFFIXES):
+            continue
+        target, shard = _route(model, name)
+        if target not in params:
+            if target == "lm_head.weight" and model.config.tie_word_embeddings:
+                continue
+            log.warning("ignoring checkpoint tensor %s (no matching parameter)", name)
+            continue
+        param = params[target]
+        param.weight_loader(param, tensor.to(param.dtype), shard)
+        loaded.add(target)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise ValueError(f"checkpoint is missing tensors for: {', '.join(missing[:8])}")
+
+
+def build_model(cfg: ModelConfig, dtype: torch.dtype, device, tp: TPContext = SINGLE) -> nn.Module:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = model_class(cfg.architecture)(cfg, tp)
+    finally:
+        torch.set_default_dtype(old)
+    return model.eval()
+
+
+def load_model(
+    path: str, dtype: torch.dtype, device, tp: TPContext = SINGLE, progress: bool = False
+) -> tuple[nn.Module, ModelConfig]:
+    cfg = ModelConfig.from_path(path)
+    model = build_model(cfg, dtype, device, tp)
+    load_weights(model, iter_checkpoint(path, progress))
+    return model, cfg

@@ -1,0 +1,93 @@
+"""Tokenizer: a Hugging Face tokenizer.json through `tokenizers`, or raw bytes as a fallback.
+
+Chat templates are rendered with jinja2 from tokenizer_config.json, as transformers does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+
+def _token_str(value: Any) -> str | None:
+    if isinstance(value, dict):  # AddedToken serialized as a dict
+        return value.get("content")
+    return value
+
+
+class ChatTemplateError(ValueError):
+    pass
+
+
+def _raise(message: str):
+    raise ChatTemplateError(message)
+
+
+class Tokenizer:
+    def __init__(self, hf: HFTokenizer | None, config: dict[str, Any], eos_ids: tuple[int, ...]):
+        self.hf = hf
+        self.config = config
+        self.bos_token = _token_str(config.get("bos_token"))
+        self.eos_token = _token_str(config.get("eos_token"))
+        self.eos_token_ids = eos_ids
+        self.chat_template = config.get("chat_template")
+        self._template = None
+
+    @classmethod
+    def from_path(cls, path: str, eos_ids: tuple[int, ...] = ()) -> Tokenizer:
+        config: dict[str, Any] = {}
+        cfg_file = os.path.join(path, "tokenizer_config.json")
+        if os.path.exists(cfg_file):
+            with open(cfg_file) as f:
+                config = json.load(f)
+        tok_file = os.path.join(path, "tokenizer.json")
+        hf = HFTokenizer.from_file(tok_file) if os.path.exists(tok_file) else None
+        tok = cls(hf, config, eos_ids)
+        if not eos_ids and hf is not None and tok.eos_token:
+            eos = hf.token_to_id(tok.eos_token)
+            tok.eos_token_ids = () if eos is None else (eos,)
+        return tok
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf.get_vocab_size(with_added_tokens=True) if self.hf else 256
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self.hf is None:
+            return list(text.encode("utf-8"))
+        return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        if self.hf is None:
+            return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
+        if not self.chat_template:
+            # No template shipped: a plain "role: content" transcript.
+            lines = [f"{m['role']}: {m['content']}" for m in messages]
+            return "\n".join(lines) + ("\nassistant:" if add_generation_prompt else "")
+        if self._template is None:
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise
+            try:
+                self._template = env.from_string(self.chat_template)
+            except jinja2.TemplateError as e:
+                raise ChatTemplateError(f"invalid chat template: {e}") from e
+        return self._template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+        )
+
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        # The template already carries BOS where the model wants it.
+        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
