@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 
 import torch
 
@@ -25,12 +25,19 @@ class AttentionMetadata:
     is_decode: bool  # every sequence has exactly one new token
 
 
-def backend_ops(name: str, device: torch.device) -> ModuleType:
-    """Module providing kv_write / paged_decode_attention / paged_prefill_attention."""
+def backend_ops(name: str, device: torch.device):
+    """An object providing kv_write / paged_decode_attention / paged_prefill_attention."""
     if name == "reference" or (name == "auto" and device.type != "cuda"):
         return importlib.import_module("kernels.reference")
-    if name in ("auto", "triton"):
-        return importlib.import_module("kernels.triton_ops")
+    kernels = importlib.import_module("kernels")
+    if name == "auto":  # Triton on CUDA, reference elsewhere, decided per call
+        return kernels
+    if name == "triton":  # always Triton (the interpreter on CPU)
+        return SimpleNamespace(
+            kv_write=kernels.triton_kv_write,
+            paged_decode_attention=kernels.triton_paged_decode_attention,
+            paged_prefill_attention=kernels.triton_paged_prefill_attention,
+        )
     raise ValueError(f"unknown attention backend {name!r}")
 
 

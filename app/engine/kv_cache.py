@@ -73,7 +73,7 @@ class KVCache:
         )
 
     def read_tokens(self, block_ids: list[int], num_tokens: int):
-        """KV of the first num_tokens tokens held in block_ids: ([L,2,n,Hkv,D], [L,2,n,Hkv]|None)."""
+        """First num_tokens tokens of block_ids: kv [L,2,n,Hkv,D], scales [L,2,n,Hkv] or None."""
         ids = torch.tensor(block_ids, dtype=torch.long, device=self.kv.device)
         kv = self.kv[:, :, ids].flatten(2, 3)[:, :, :num_tokens]
         scales = None

@@ -9,7 +9,7 @@ from app.engine.sampling_params import SamplingParams
 
 
 def apply_penalties(logits: torch.Tensor, p: SamplingParams, prompt, output) -> torch.Tensor:
-    """logits: [V]. Repetition (prompt+output, as HF) then presence/frequency (output, as OpenAI)."""
+    """logits: [V]. Repetition over prompt+output (as HF), presence/frequency over output."""
     if p.repetition_penalty != 1.0 and (prompt or output):
         seen = torch.tensor(list(set(prompt) | set(output)), dtype=torch.long)
         vals = logits[seen]
