@@ -26,7 +26,10 @@ def fp8_scale_exponent(x: torch.Tensor) -> torch.Tensor:
     shifts the exponent), so the only rounding is e4m3's own 3-bit mantissa.
     """
     amax = x.abs().amax(dim=-1).float().clamp_min(2.0**MIN_SCALE_EXP)
-    e = torch.ceil(torch.log2(amax / FP8_MAX))
+    # Exact ceil(log2(amax / 448)) from amax = m * 2**E, m in [0.5, 1), 448 = 0.875 * 2**9.
+    # (fp32 log2 rounded amax a few ulps above 448 * 2**e down to e, breaking x / 2**e <= 448.)
+    m, big_e = torch.frexp(amax)
+    e = big_e - 9 + (m > 0.875).to(big_e.dtype)
     return e.clamp(MIN_SCALE_EXP, 127).to(torch.int8)
 
 
