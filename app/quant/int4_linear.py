@@ -1,0 +1,202 @@
+"""`Int4Linear`: W4A16 drop-in for the model's linear layers (module replacement).
+
+On CUDA it calls `kernels.int4_gemm` (Triton); on CPU it calls PyTorch's built-in int4
+matmul, `aten._weight_int4pack_mm_for_cpu`, on a weight converted once by
+`aten._convert_weight_to_int4pack_for_cpu`. Their conventions, found by experiment on
+torch 2.13 (tests/quant/test_int4_linear.py pins them):
+
+- `_convert_weight_to_int4pack_for_cpu(codes [N, K] int32 in 0..15, inner_k_tiles)`
+  -> `[N, K/2] uint8` (inner_k_tiles is ignored on CPU); N must be a multiple of 16.
+- `_weight_int4pack_mm_for_cpu(x [M, K], packed, group, scale_zeros [K/group, N, 2])`
+  computes `W[n, k] = (q - 8) * scale + zero`: the zero is a float *offset*, not an integer
+  zero point; group must be 32, 64, 128 or 256; scale_zeros has x's dtype.
+
+Our `(q - z) * s` is `(q - 8) * s + (8 - z) * s`, so the offset is `(8 - z) * s` (0 when
+symmetric). Rows are zero-padded to a multiple of 16; a group of 512 or more is split into
+supported ones by repeating its scale. Any other group size (e.g. 16) has no CPU kernel: the
+weight is dequantized once and cached.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from app.models.parallel import SINGLE, TPContext
+from app.quant.int4 import SYM_ZERO, Int4Weight
+
+log = logging.getLogger(__name__)
+CPU_GROUPS = (256, 128, 64, 32)
+CPU_ROW_MULTIPLE = 16
+
+
+def _param(t: torch.Tensor, loader) -> nn.Parameter:
+    p = nn.Parameter(t, requires_grad=False)
+    p.weight_loader = loader
+    return p
+
+
+def _copy_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"checkpoint tensor shape {tuple(loaded.shape)} != {tuple(param.shape)}")
+    param.data.copy_(loaded)
+
+
+@dataclass(slots=True)
+class CpuInt4Pack:
+    """The weight as `_weight_int4pack_mm_for_cpu` wants it, built once per dtype."""
+
+    packed: torch.Tensor | None  # [Np, K/2] uint8, Np = N rounded up to 16
+    scale_zeros: torch.Tensor | None  # [K/group, Np, 2] in the activation dtype
+    group: int
+    dense: torch.Tensor | None = None  # [N, K]: only for group sizes without a CPU kernel
+
+    @classmethod
+    def build(cls, qw: Int4Weight, dtype: torch.dtype) -> CpuInt4Pack:
+        g = next((c for c in CPU_GROUPS if qw.group_size % c == 0), None)
+        if g is None:
+            log.warning("group_size %d has no CPU int4 kernel; caching dense", qw.group_size)
+            return cls(None, None, qw.group_size, qw.dequantize(dtype))
+        n, _ = qw.shape
+        pad = -n % CPU_ROW_MULTIPLE
+        codes = F.pad(qw.codes().to(torch.int32), (0, 0, 0, pad))
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+        rep = qw.group_size // g
+        s = qw.scales.float().repeat_interleave(rep, dim=1)
+        z = qw.zeros_or_default().float().repeat_interleave(rep, dim=1)
+        offset = (SYM_ZERO - z) * s
+        sz = torch.stack([s, offset], dim=-1)  # [N, K/g, 2]
+        sz = F.pad(sz, (0, 0, 0, 0, 0, pad)).transpose(0, 1).contiguous().to(dtype)
+        return cls(packed, sz, g)
+
+    def matmul(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        """x: [M, K] -> [M, N]."""
+        if self.dense is not None:
+            return x @ self.dense.T
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group, self.scale_zeros)
+        return y[:, :n]
+
+
+class Int4Linear(nn.Module):
+    """y = x W^T + b with W in INT4 (canonical layout); TP semantics of the layer it replaces.
+
+    `perm` (act-order checkpoints) permutes the input columns so that groups are contiguous:
+    y = x[:, perm] @ W_sorted^T.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        group_size: int,
+        symmetric: bool,
+        bias: bool = False,
+        act_order: bool = False,
+        params_dtype: torch.dtype | None = None,
+        weight_loader=None,
+        tp: TPContext = SINGLE,
+        reduce_output: bool = False,
+        gather_output: bool = False,
+    ):
+        super().__init__()
+        if in_features % group_size or group_size % 8:
+            raise ValueError(f"in_features={in_features} incompatible with group {group_size}")
+        if act_order and reduce_output and tp.size > 1:
+            raise NotImplementedError("act-order INT4 with row-parallel tensor parallelism")
+        dtype = params_dtype or torch.get_default_dtype()
+        loader = self._invalidating(weight_loader or _copy_loader)
+        n, k, g = out_features, in_features, group_size
+        self.in_features, self.out_features, self.group_size = k, n, g
+        self.tp, self.reduce_output, self.gather_output = tp, reduce_output, gather_output
+        self.qweight = _param(torch.zeros(n, k // 8, dtype=torch.int32), loader)
+        self.scales = _param(torch.ones(n, k // g, dtype=dtype), loader)
+        zeros = None if symmetric else torch.full((n, k // g), SYM_ZERO, dtype=torch.uint8)
+        self.zeros = None if zeros is None else _param(zeros, loader)
+        self.bias = _param(torch.zeros(n, dtype=dtype), loader) if bias else None
+        self.perm = _param(torch.arange(k), self._invalidating(_copy_loader)) if act_order else None
+        self._cpu: dict[torch.dtype, CpuInt4Pack] = {}
+
+    def _invalidating(self, loader):
+        def load(param, loaded, shard_id=None):
+            self._cpu = {}
+            loader(param, loaded, shard_id)
+
+        return load
+
+    @classmethod
+    def like(
+        cls, layer: nn.Module, group_size: int, symmetric: bool, act_order: bool = False
+    ) -> Int4Linear:
+        """An empty Int4Linear with `layer`'s shape, bias, TP role and weight loader."""
+        from app.models.layers import RowParallelLinear
+
+        return cls(
+            layer.in_features,
+            layer.out_features,
+            group_size,
+            symmetric,
+            bias=layer.bias is not None,
+            act_order=act_order,
+            params_dtype=layer.weight.dtype,
+            weight_loader=getattr(layer, "weight_loader", None),
+            tp=getattr(layer, "tp", SINGLE),
+            reduce_output=isinstance(layer, RowParallelLinear),
+            gather_output=getattr(layer, "gather_output", False),
+        )
+
+    @property
+    def weight_int4(self) -> Int4Weight:
+        zeros = None if self.zeros is None else self.zeros.data
+        return Int4Weight(self.qweight.data, self.scales.data, zeros, self.group_size)
+
+    def set_weight(self, qw: Int4Weight, bias: torch.Tensor | None = None) -> None:
+        assert qw.shape == (self.out_features, self.in_features), "shape mismatch"
+        assert qw.group_size == self.group_size and (qw.zeros is None) == (self.zeros is None)
+        self.qweight.data.copy_(qw.qweight)
+        self.scales.data.copy_(qw.scales)
+        if qw.zeros is not None:
+            self.zeros.data.copy_(qw.zeros)
+        if bias is not None:
+            self.bias.data.copy_(bias)
+        self._cpu = {}
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """[N, K] in the original input-column order (undoing `perm`)."""
+        w = self.weight_int4.dequantize(dtype)
+        if self.perm is None:
+            return w
+        out = torch.empty_like(w)
+        out[:, self.perm] = w
+        return out
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:  # x: [M, K] -> [M, N]
+        if x.is_cuda:
+            from kernels import int4_gemm
+
+            zeros = None if self.zeros is None else self.zeros.data
+            return int4_gemm(x, self.qweight.data, self.scales.data, zeros, self.group_size)
+        pack = self._cpu.get(x.dtype)
+        if pack is None:
+            pack = self._cpu[x.dtype] = CpuInt4Pack.build(self.weight_int4, x.dtype)
+        return pack.matmul(x.contiguous(), self.out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if self.perm is not None:
+            x2 = x2.index_select(1, self.perm)
+        y = self._matmul(x2) if x2.shape[0] else x2.new_empty(0, self.out_features)
+        y = y.reshape(*lead, self.out_features)
+        if self.reduce_output:
+            y = self.tp.all_reduce(y)
+        if self.bias is not None:
+            y = y + self.bias
+        return self.tp.all_gather_last(y) if self.gather_output else y
+
+    def extra_repr(self) -> str:
+        sym = "symmetric" if self.zeros is None else "asymmetric"
+        return f"in={self.in_features}, out={self.out_features}, group={self.group_size}, {sym}"
