@@ -17,6 +17,7 @@ from app.engine.model_runner import ModelRunner
 from app.engine.outputs import OutputProcessor
 from app.engine.request import Request, RequestDelta
 from app.engine.sampler import sample_batch
+from app.engine.sampling_params import SamplingParams
 from app.engine.scheduler import Scheduler
 from app.engine.sequence import SeqStatus, Sequence
 from app.models.loader import load_model
@@ -156,6 +157,23 @@ class Engine:
         siblings = self.seqs.get(seq.request_id, [])
         if all(s.finished for s in siblings):
             self.seqs.pop(seq.request_id, None)
+
+    def score(self, token_ids: list[int]) -> torch.Tensor:
+        """Next-token logits at every position of token_ids: [T, vocab] float32.
+
+        One prefill outside the scheduler (for evaluation and tests); do not interleave with
+        step() from another thread.
+        """
+        request = Request("score", list(token_ids), SamplingParams(max_tokens=1))
+        self._validate(request)
+        seq = Sequence(request, 0, make_salt(*self.salt_base, None), None)
+        if not self.blocks.ensure_slots(seq, seq.num_tokens):
+            raise RuntimeError("not enough free KV blocks to score this sequence")
+        try:
+            logits, _ = self.runner.execute([(seq, seq.num_tokens)], all_rows=True)
+        finally:
+            self.blocks.free(seq)
+        return logits
 
     # --- introspection for metrics and tests --------------------------------------
     def stats(self) -> dict[str, float]:

@@ -31,7 +31,7 @@ class ModelRunner:
         self.scale = head_dim**-0.5
         self.block_size = cache.spec.block_size
 
-    def prepare(self, batch: list[tuple[Sequence, int]]) -> BatchInputs:
+    def prepare(self, batch: list[tuple[Sequence, int]], all_rows: bool = False) -> BatchInputs:
         bs = self.block_size
         ids, pos, slots, starts, lens, rows, sampled = [], [], [], [0], [], [], []
         for seq, n in batch:
@@ -42,7 +42,9 @@ class ModelRunner:
             slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
             starts.append(starts[-1] + n)
             lens.append(start + n)
-            if start + n == seq.num_tokens:
+            if all_rows:
+                rows += range(starts[-2], starts[-1])
+            elif start + n == seq.num_tokens:
                 rows.append(starts[-1] - 1)
                 sampled.append(seq)
         width = max(len(seq.block_table) for seq, _ in batch)
@@ -66,11 +68,16 @@ class ModelRunner:
         return torch.tensor(data, dtype=dtype, device=self.device)
 
     @torch.inference_mode()
-    def execute(self, batch: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence]]:
-        """Runs one step; returns (logits [S, vocab] float32, the S sequences to sample)."""
-        inp = self.prepare(batch)
+    def execute(
+        self, batch: list[tuple[Sequence, int]], all_rows: bool = False
+    ) -> tuple[torch.Tensor, list[Sequence]]:
+        """Runs one step; returns (logits [S, vocab] float32, the S sequences to sample).
+
+        all_rows: logits of every new token instead (scoring), and no sequence to sample.
+        """
+        inp = self.prepare(batch, all_rows)
         attn = PagedAttention(self.ops, self.cache, inp.meta, self.scale)
         hidden = self.model(inp.ids, inp.positions, attn)  # [T, hidden]
-        if not inp.sampled:
+        if not len(inp.sample_rows):
             return hidden.new_empty(0, 0, dtype=torch.float32), []
         return self.model.compute_logits(hidden[inp.sample_rows]), inp.sampled
