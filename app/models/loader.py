@@ -80,5 +80,10 @@ def load_model(
 ) -> tuple[nn.Module, ModelConfig]:
     cfg = ModelConfig.from_path(path)
     model = build_model(cfg, dtype, device, tp)
-    load_weights(model, iter_checkpoint(path, progress))
+    weights = iter_checkpoint(path, progress)
+    if cfg.quantization_config:  # INT4 / FP8 checkpoints: app.quant swaps modules, converts
+        from app.quant.formats import prepare_quantized
+
+        weights = prepare_quantized(model, cfg.quantization_config, path, dtype)(weights)
+    load_weights(model, weights)
     return model, cfg

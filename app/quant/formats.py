@@ -67,6 +67,7 @@ def _swap_int4_modules(model: nn.Module, schemes: dict[str, Int4Scheme]) -> None
         if layer is None or not hasattr(layer, "in_features"):
             raise ValueError(f"quantized checkpoint tensors for {ours!r}, which is not a linear")
         _replace(model, ours, Int4Linear.like(layer, s.group_size, s.symmetric, s.act_order))
+        layer.weight = None  # its weight_loader lives on in the Int4Linear; no dense copy
     log.info("INT4 checkpoint: %d linear modules are INT4", len(merged))
 
 

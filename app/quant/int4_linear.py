@@ -1,6 +1,7 @@
 """`Int4Linear`: W4A16 drop-in for the model's linear layers (module replacement).
 
-On CUDA it calls `kernels.int4_gemm` (Triton); on CPU it calls PyTorch's built-in int4
+On CUDA it calls `kernels.int4_gemm` (Triton; groups 32/64/128, larger multiples are split
+into those); on CPU it calls PyTorch's built-in int4
 matmul, `aten._weight_int4pack_mm_for_cpu`, on a weight converted once by
 `aten._convert_weight_to_int4pack_for_cpu`. Their conventions, found by experiment on
 torch 2.13 (tests/quant/test_int4_linear.py pins them):
@@ -26,11 +27,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import kernels
 from app.models.parallel import SINGLE, TPContext
 from app.quant.int4 import SYM_ZERO, Int4Weight
 
 log = logging.getLogger(__name__)
 CPU_GROUPS = (256, 128, 64, 32)
+GPU_GROUPS = (128, 64, 32)  # what kernels.int4_gemm (Triton) accepts
 CPU_ROW_MULTIPLE = 16
 
 
@@ -44,6 +47,19 @@ def _copy_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> No
     if param.shape != loaded.shape:
         raise ValueError(f"checkpoint tensor shape {tuple(loaded.shape)} != {tuple(param.shape)}")
     param.data.copy_(loaded)
+
+
+def regroup(qw: Int4Weight, supported: tuple[int, ...]) -> Int4Weight:
+    """The same weight with a group size a kernel supports: a group of g splits into g/g'
+    groups of one of `supported` (largest first) sharing its scale and zero. Exact."""
+    if qw.group_size in supported:
+        return qw
+    g = next((c for c in supported if qw.group_size % c == 0), None)
+    if g is None:
+        raise ValueError(f"group_size {qw.group_size} is not a multiple of any of {supported}")
+    rep = qw.group_size // g
+    zeros = None if qw.zeros is None else qw.zeros.repeat_interleave(rep, 1)
+    return Int4Weight(qw.qweight, qw.scales.repeat_interleave(rep, 1), zeros, g)
 
 
 @dataclass(slots=True)
@@ -61,17 +77,16 @@ class CpuInt4Pack:
         if g is None:
             log.warning("group_size %d has no CPU int4 kernel; caching dense", qw.group_size)
             return cls(None, None, qw.group_size, qw.dequantize(dtype))
+        qw = regroup(qw, CPU_GROUPS)
         n, _ = qw.shape
         pad = -n % CPU_ROW_MULTIPLE
         codes = F.pad(qw.codes().to(torch.int32), (0, 0, 0, pad))
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
-        rep = qw.group_size // g
-        s = qw.scales.float().repeat_interleave(rep, dim=1)
-        z = qw.zeros_or_default().float().repeat_interleave(rep, dim=1)
+        s, z = qw.scales.float(), qw.zeros_or_default().float()
         offset = (SYM_ZERO - z) * s
         sz = torch.stack([s, offset], dim=-1)  # [N, K/g, 2]
         sz = F.pad(sz, (0, 0, 0, 0, 0, pad)).transpose(0, 1).contiguous().to(dtype)
-        return cls(packed, sz, g)
+        return cls(packed, sz, qw.group_size)
 
     def matmul(self, x: torch.Tensor, n: int) -> torch.Tensor:
         """x: [M, K] -> [M, N]."""
@@ -117,15 +132,25 @@ class Int4Linear(nn.Module):
         zeros = None if symmetric else torch.full((n, k // g), SYM_ZERO, dtype=torch.uint8)
         self.zeros = None if zeros is None else _param(zeros, loader)
         self.bias = _param(torch.zeros(n, dtype=dtype), loader) if bias else None
-        self.perm = _param(torch.arange(k), self._invalidating(_copy_loader)) if act_order else None
+        perm_loader = self._invalidating(self._load_perm)
+        self.perm = _param(torch.arange(k), perm_loader) if act_order else None
+        self._perm_loaded = False
         self._cpu: dict[torch.dtype, CpuInt4Pack] = {}
+        self._gpu: dict[str, Int4Weight] = {}
 
     def _invalidating(self, loader):
         def load(param, loaded, shard_id=None):
-            self._cpu = {}
+            self._cpu, self._gpu = {}, {}
             loader(param, loaded, shard_id)
 
         return load
+
+    def _load_perm(self, param, loaded, shard_id=None) -> None:
+        # Shards of a merged layer (q/k/v, gate/up) read one input, so one permutation.
+        if self._perm_loaded and not torch.equal(param.data, loaded.to(param.device)):
+            raise ValueError("shards of a merged INT4 layer have different act-order g_idx")
+        _copy_loader(param, loaded)
+        self._perm_loaded = True
 
     @classmethod
     def like(
@@ -134,19 +159,20 @@ class Int4Linear(nn.Module):
         """An empty Int4Linear with `layer`'s shape, bias, TP role and weight loader."""
         from app.models.layers import RowParallelLinear
 
-        return cls(
-            layer.in_features,
-            layer.out_features,
-            group_size,
-            symmetric,
-            bias=layer.bias is not None,
-            act_order=act_order,
-            params_dtype=layer.weight.dtype,
-            weight_loader=getattr(layer, "weight_loader", None),
-            tp=getattr(layer, "tp", SINGLE),
-            reduce_output=isinstance(layer, RowParallelLinear),
-            gather_output=getattr(layer, "gather_output", False),
-        )
+        with torch.device(layer.weight.device):
+            return cls(
+                layer.in_features,
+                layer.out_features,
+                group_size,
+                symmetric,
+                bias=layer.bias is not None,
+                act_order=act_order,
+                params_dtype=layer.weight.dtype,
+                weight_loader=getattr(layer, "weight_loader", None),
+                tp=getattr(layer, "tp", SINGLE),
+                reduce_output=isinstance(layer, RowParallelLinear),
+                gather_output=getattr(layer, "gather_output", False),
+            )
 
     @property
     def weight_int4(self) -> Int4Weight:
@@ -162,7 +188,7 @@ class Int4Linear(nn.Module):
             self.zeros.data.copy_(qw.zeros)
         if bias is not None:
             self.bias.data.copy_(bias)
-        self._cpu = {}
+        self._cpu, self._gpu = {}, {}
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """[N, K] in the original input-column order (undoing `perm`)."""
@@ -175,10 +201,10 @@ class Int4Linear(nn.Module):
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:  # x: [M, K] -> [M, N]
         if x.is_cuda:
-            from kernels import int4_gemm
-
-            zeros = None if self.zeros is None else self.zeros.data
-            return int4_gemm(x, self.qweight.data, self.scales.data, zeros, self.group_size)
+            qw = self._gpu.get("w")
+            if qw is None:
+                qw = self._gpu["w"] = regroup(self.weight_int4, GPU_GROUPS)
+            return kernels.int4_gemm(x.contiguous(), qw.qweight, qw.scales, qw.zeros, qw.group_size)
         pack = self._cpu.get(x.dtype)
         if pack is None:
             pack = self._cpu[x.dtype] = CpuInt4Pack.build(self.weight_int4, x.dtype)

@@ -1,0 +1,120 @@
+"""Module replacement: swap a loaded model's linear layers for `Int4Linear`s.
+
+Only linear layers are candidates (our `LinearBase` family and `nn.Linear`); the LM head,
+embeddings and norms are other module types and stay in their dtype. `skip` adds patterns
+(substring of the module name, or `re:` regex) to keep more layers unquantized.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from app.quant.gptq import quantize_gptq
+from app.quant.int4 import GROUP_SIZES, quantize_rtn
+from app.quant.int4_linear import Int4Linear
+
+log = logging.getLogger(__name__)
+DEFAULT_GROUP_SIZE = 128
+
+
+def is_linear(module: nn.Module) -> bool:
+    from app.models.layers import LinearBase
+
+    return isinstance(module, (LinearBase, nn.Linear))
+
+
+def _skipped(name: str, skip: Iterable[str]) -> bool:
+    for pattern in skip:
+        if pattern.startswith("re:") and re.search(pattern[3:], name):
+            return True
+        if not pattern.startswith("re:") and pattern in name:
+            return True
+    return False
+
+
+def _group_for(in_features: int, group_size: int, fallback: bool) -> int | None:
+    if in_features % group_size == 0:
+        return group_size
+    if fallback:  # the largest standard group below the requested one that fits
+        return next(
+            (
+                g
+                for g in sorted(GROUP_SIZES, reverse=True)
+                if g < group_size and in_features % g == 0
+            ),
+            None,
+        )
+    return None
+
+
+def linear_modules(model: nn.Module, skip: Iterable[str] = ()) -> dict[str, nn.Module]:
+    """name -> linear module that quantization would replace (before group checks)."""
+    skip = tuple(skip)
+    return {n: m for n, m in model.named_modules() if n and is_linear(m) and not _skipped(n, skip)}
+
+
+def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, new)
+
+
+@torch.no_grad()
+def quantize_model(
+    model: nn.Module,
+    group_size: int = DEFAULT_GROUP_SIZE,
+    symmetric: bool = True,
+    skip: Iterable[str] = (),
+    hessians: dict[str, torch.Tensor] | None = None,
+    act_order: bool = False,
+    fallback_group: bool = False,
+    progress: bool = False,
+) -> dict[str, int]:
+    """Replace linears in place (RTN, or GPTQ for names in `hessians`).
+
+    Returns name -> group size used. A layer whose in_features no group divides is left
+    dense (logged); with `fallback_group` a smaller standard group is tried first.
+    """
+    from tqdm import tqdm
+
+    done: dict[str, int] = {}
+    layers = linear_modules(model, skip)
+    for name, layer in tqdm(layers.items(), desc="quantizing", disable=not progress):
+        g = _group_for(layer.in_features, group_size, fallback_group)
+        if g is None:
+            log.warning("%s: in_features=%d fits no group; left dense", name, layer.in_features)
+            continue
+        w = layer.weight.data
+        if hessians is not None and name in hessians:
+            h = hessians[name].to(w.device)
+            qw = quantize_gptq(w, h, g, symmetric, act_order, scale_dtype=w.dtype)
+        else:
+            qw = quantize_rtn(w, g, symmetric, scale_dtype=w.dtype)
+        with torch.device(w.device):
+            new = Int4Linear.like(layer, g, symmetric)
+        bias = layer.bias.data if layer.bias is not None else None
+        new.set_weight(qw, bias)
+        _replace(model, name, new)
+        layer.weight = None  # its weight_loader lives on in `new`; the dense copy need not
+        done[name] = g
+    return done
+
+
+def apply_weight_quant(model: nn.Module, model_config, weight_quant: str | None) -> None:
+    """The engine's hook for `weight_quant`: "int4" quantizes a non-INT4 checkpoint (RTN,
+    symmetric, group 128, falling back to 64/32 where 128 does not divide in_features)."""
+    from app.quant.schemes import is_int4
+
+    if weight_quant is None:
+        return
+    if weight_quant != "int4":
+        raise ValueError(f"weight_quant must be None or 'int4', got {weight_quant!r}")
+    if is_int4(getattr(model_config, "quantization_config", None)):
+        log.info("checkpoint is already INT4; weight_quant=int4 keeps it as loaded")
+        return
+    done = quantize_model(model, DEFAULT_GROUP_SIZE, symmetric=True, fallback_group=True)
+    log.info("weight_quant=int4: %d linear layers quantized (RTN)", len(done))
