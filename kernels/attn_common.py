@@ -13,9 +13,14 @@ from kernels.reference import FP8_DTYPE
 CACHE_DTYPES = (FP8_DTYPE, torch.bfloat16, torch.float16, torch.float32)
 
 
-def dot_precision(q: torch.Tensor) -> str:
-    """fp32 inputs get exact fp32 dots (tf32 would lose 13 mantissa bits); others ignore it."""
-    return "ieee" if q.dtype == torch.float32 else "tf32"
+def dot_operands(q: torch.Tensor, k_cache: torch.Tensor) -> tuple[torch.Tensor, str]:
+    """(q as the kernel should read it, tl.dot input precision).
+
+    K/V tiles are cast to q's dtype for the dots; an fp32 cache upcasts q instead, so fp32
+    keys are never rounded to 16 bits. fp32 dots are exact ("ieee", not tf32)."""
+    if k_cache.dtype == torch.float32:
+        q = q.float()
+    return q, "ieee" if q.dtype == torch.float32 else "tf32"
 
 
 def check_cache(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens) -> tuple[int, int]:

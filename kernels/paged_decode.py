@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attn_common import check_cache, dot_precision, kv_tile_update
+from kernels.attn_common import check_cache, dot_operands, kv_tile_update
 from kernels.reference import is_fp8
 
 
@@ -186,6 +186,7 @@ def paged_decode_attention(
     ks, vs = (k_scale, v_scale) if fp8 else (k_cache, v_cache)
     es = k_scale.stride() if fp8 else (0, 0, 0)
     out = torch.empty_like(q)
+    q, precision = dot_operands(q, k_cache)
     if num_splits > 1:
         part = torch.empty(bsz, hq, num_splits, d, dtype=torch.float32, device=q.device)
         lse = torch.empty(bsz, hq, num_splits, dtype=torch.float32, device=q.device)
@@ -221,7 +222,7 @@ def paged_decode_attention(
         BLOCK_N=block_n,
         NUM_SPLITS=num_splits,
         IS_FP8=fp8,
-        PRECISION=dot_precision(q),
+        PRECISION=precision,
     )
     if num_splits > 1:
         _reduce_kernel[(bsz, hq)](

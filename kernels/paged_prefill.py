@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attn_common import check_cache, dot_precision, kv_tile_update
+from kernels.attn_common import check_cache, dot_operands, kv_tile_update
 from kernels.reference import is_fp8
 
 
@@ -128,6 +128,7 @@ def paged_prefill_attention(
     assert query_start_loc.shape == (bsz + 1,) and query_start_loc.dtype == torch.int32
     assert query_start_loc.is_contiguous()
     out = torch.empty_like(q)
+    q, precision = dot_operands(q, k_cache)
     if t == 0 or bsz == 0:
         return out
     if max_query_len is None:
@@ -161,6 +162,6 @@ def paged_prefill_attention(
         BLOCK_D=triton.next_power_of_2(d),
         BLOCK_N=block_n,
         IS_FP8=fp8,
-        PRECISION=dot_precision(q),
+        PRECISION=precision,
     )
     return out

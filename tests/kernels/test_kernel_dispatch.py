@@ -1,0 +1,54 @@
+"""kernels/__init__.py: reference on CPU, Triton when forced or on CUDA, no eager triton import."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import kernels
+from kernels import reference
+
+pytestmark = pytest.mark.triton
+
+
+def _gemm_args():
+    gen = torch.Generator().manual_seed(0)
+    qw = torch.randint(0, 2**31 - 1, (16, 8), dtype=torch.int32, generator=gen)
+    return torch.randn(2, 64, generator=gen), qw, torch.rand(16, 2, generator=gen), None, 32
+
+
+def test_cpu_uses_reference_and_force_uses_triton(monkeypatch):
+    calls = []
+    monkeypatch.setattr(kernels, "triton_int4_gemm", lambda *a: calls.append("triton") or 0)
+    monkeypatch.setattr(reference, "int4_gemm", lambda *a: calls.append("ref") or 0)
+    kernels.int4_gemm(*_gemm_args())
+    with kernels.force_triton():
+        kernels.int4_gemm(*_gemm_args())
+    kernels.int4_gemm(*_gemm_args())
+    assert calls == ["ref", "triton", "ref"]
+
+
+def test_forced_triton_matches_reference():
+    args = _gemm_args()
+    with kernels.force_triton():
+        out = kernels.int4_gemm(*args)
+    torch.testing.assert_close(out, reference.int4_gemm(*args), atol=1e-5, rtol=1e-5)
+
+
+def test_import_without_triton():
+    """`import kernels` and the CPU dispatch work when triton cannot be imported."""
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "import torch, kernels\n"
+        "assert not kernels.triton_available()\n"
+        "with kernels.force_triton():\n"
+        "    y = kernels.int4_gemm(torch.randn(2, 64), torch.zeros(16, 8, dtype=torch.int32),\n"
+        "                          torch.ones(16, 2), None, 32)\n"
+        "assert y.shape == (2, 16) and 'triton' not in str(type(sys.modules['triton']))\n"
+        "print('ok')\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr
