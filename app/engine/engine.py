@@ -144,7 +144,8 @@ class Engine:
         for seq, n in out.scheduled:
             seq.num_computed_tokens += n
             self.blocks.commit_full_blocks(seq)
-        for seq, (token, logprob) in zip(sampled, sample_batch(logits, sampled)):
+        samples = sample_batch(logits, sampled) if sampled else []
+        for seq, (token, logprob) in zip(sampled, samples):
             seq.token_ids.append(token)
             delta = self.outputs.process(seq, token, logprob)
             if seq.finished:

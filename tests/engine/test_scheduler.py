@@ -1,0 +1,69 @@
+"""Continuous batching under memory pressure, admission control."""
+
+import pytest
+
+from app import LLM, SamplingParams
+from app.engine.request import OverloadedError, Request
+
+PROMPTS = [[4 + j] + [3 + (i * 5 + j) % 290 for i in range(12 + 3 * j)] for j in range(6)]
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+
+
+def test_preemption_and_resume_match_unpreempted_run(llama_path):
+    roomy = LLM(llama_path, dtype="float32", device="cpu", block_size=4)
+    ref = [o.token_ids for o in roomy.generate(PROMPTS, GREEDY)]
+    assert roomy.engine.scheduler.num_preemptions == 0
+
+    tight = LLM(
+        llama_path, dtype="float32", device="cpu", block_size=4, enable_prefix_caching=False
+    )
+    tight.engine.blocks.__init__(24, 4, enable_prefix_caching=False)  # 96 slots for ~200 tokens
+    outs = tight.generate(PROMPTS, GREEDY)
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in outs] == ref
+    assert tight.engine.blocks.num_free == 24
+
+
+def test_token_budget_and_max_num_seqs_are_respected(llama_path):
+    llm = LLM(llama_path, dtype="float32", device="cpu", max_num_seqs=2, max_num_batched_tokens=10)
+    scheduler = llm.engine.scheduler
+    steps = []
+    schedule = scheduler.schedule
+
+    def recording_schedule():
+        out = schedule()
+        steps.append((len(scheduler.running), sum(n for _, n in out.scheduled)))
+        return out
+
+    scheduler.schedule = recording_schedule
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert all(o.finish_reason == "length" for o in outs)
+    assert max(running for running, _ in steps) == 2
+    assert max(tokens for _, tokens in steps) == 10
+
+
+def test_decode_first_under_token_budget(llama_path):
+    llm = LLM(llama_path, dtype="float32", device="cpu", max_num_batched_tokens=8)
+    engine = llm.engine
+    engine.add_request(Request("short", PROMPTS[0][:4], GREEDY))
+    engine.step()  # prefills "short" fully; it now decodes
+    engine.add_request(Request("long", PROMPTS[5], GREEDY))
+    out = engine.scheduler.schedule()
+    assert [(s.request_id, n) for s, n in out.scheduled] == [("short", 1), ("long", 7)]
+
+
+def test_overload_rejected_with_clear_error(llama_path):
+    from app.config import SchedulerConfig
+
+    llm = LLM(llama_path, dtype="float32", device="cpu")
+    llm.engine.scheduler.config = SchedulerConfig(max_waiting=2)
+    llm.engine.add_request(Request("1", [5, 6], GREEDY))
+    llm.engine.add_request(Request("2", [5, 6], GREEDY))
+    with pytest.raises(OverloadedError, match="overloaded"):
+        llm.engine.add_request(Request("3", [5, 6], GREEDY))
+    # the rejected request left nothing behind; the others still complete
+    assert "3" not in llm.engine.seqs
+    outs = []
+    while llm.engine.has_unfinished():
+        outs += [d for d in llm.engine.step() if d.finished]
+    assert sorted(d.request_id for d in outs) == ["1", "2"]
