@@ -1,0 +1,52 @@
+"""`slimserve generate`: complete one prompt (or a chat turn) offline and print it."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from app.cli import default_model
+
+    p.add_argument("--model", default=default_model(), help="HF checkpoint folder")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user chat turn")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--weight-quant", default=None, choices=[None, "int4"])
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="auto")
+
+
+def run(args: argparse.Namespace) -> int:
+    from app import LLM, SamplingParams
+
+    try:
+        params = SamplingParams(
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            max_tokens=args.max_tokens,
+        )
+        llm = LLM(
+            args.model,
+            dtype=args.dtype,
+            device=args.device,
+            kv_cache_dtype=args.kv_cache_dtype,
+            weight_quant=args.weight_quant,
+        )
+        if args.chat:
+            out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
+        else:
+            out = llm.generate(args.prompt, params)[0]
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(out.text)
+    return 0
