@@ -32,3 +32,32 @@ def llama_path(checkpoint_factory):
 @pytest.fixture(params=sorted(FAMILIES))
 def family_path(request, checkpoint_factory):
     return checkpoint_factory(request.param)
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray for every test marked `ray` (and Serve on top of it); shut down at the end."""
+    import ray
+
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    # Workers import actors defined in test modules (e.g. kvstore.test_store) by name.
+    path = os.pathsep.join(
+        [tests_dir, os.path.dirname(tests_dir), os.environ.get("PYTHONPATH", "")]
+    )
+    started = not ray.is_initialized()
+    if started:
+        ray.init(
+            num_cpus=4,
+            include_dashboard=False,
+            object_store_memory=512 << 20,
+            log_to_driver=False,
+            runtime_env={"env_vars": {"TRITON_INTERPRET": "1", "PYTHONPATH": path}},
+        )
+    yield ray
+    try:
+        from ray import serve
+
+        serve.shutdown()
+    finally:
+        if started:
+            ray.shutdown()
