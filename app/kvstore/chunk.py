@@ -26,7 +26,7 @@ import torch
 import xxhash
 
 FORMAT_VERSION = 1
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = "paged-v1"  # = app.engine.block_hash.LAYOUT_VERSION
 _MAGIC = b"SKVC"
 _PREFIX = struct.Struct("<4sI")
 _MAX_HEADER_BYTES = 16 << 20  # bounds what a corrupt length field can make us read
@@ -89,20 +89,32 @@ class KVLayout:
     tp_size: int = 1
 
     def __str__(self) -> str:
+        # The engine's KVCacheSpec.layout spelling; tp rank only when sharded.
+        tp = f"tp{self.tp_size}" if self.tp_size == 1 else f"tp{self.tp_rank}/{self.tp_size}"
         return (
-            f"v{LAYOUT_VERSION}:L{self.num_layers}:H{self.num_kv_heads}:D{self.head_dim}"
-            f":B{self.block_size}:tp{self.tp_rank}/{self.tp_size}"
+            f"{LAYOUT_VERSION}:L{self.num_layers}:H{self.num_kv_heads}:D{self.head_dim}"
+            f":B{self.block_size}:{tp}"
         )
 
     @classmethod
     def parse(cls, text: str) -> KVLayout:
+        """Inverse of ``str``; also reads ``tp{rank}/{size}`` and ``tp{size}``."""
         try:
             version, layers, heads, dim, block, tp = text.split(":")
-            rank, size = tp.removeprefix("tp").split("/")
-            if version != f"v{LAYOUT_VERSION}":
-                raise ValueError(f"layout version {version}")
+            if version != LAYOUT_VERSION:
+                raise ValueError(f"layout version {version!r}, this build reads {LAYOUT_VERSION!r}")
+            rank, _, size = tp.removeprefix("tp").rpartition("/")
+            fields = {"L": layers, "H": heads, "D": dim, "B": block}
+            for prefix, value in fields.items():
+                if not value.startswith(prefix):
+                    raise ValueError(f"expected {prefix}<n>, got {value!r}")
             return cls(
-                int(layers[1:]), int(heads[1:]), int(dim[1:]), int(block[1:]), int(rank), int(size)
+                int(layers[1:]),
+                int(heads[1:]),
+                int(dim[1:]),
+                int(block[1:]),
+                int(rank or 0),
+                int(size),
             )
         except ValueError as e:
             raise ChunkMismatchError(f"unreadable KV layout {text!r}: {e}") from None

@@ -183,5 +183,18 @@ def test_from_tensors_validates_shapes():
 def test_layout_parse_round_trips():
     lay = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, tp_rank=1, tp_size=2)
     assert KVLayout.parse(str(lay)) == lay
-    with pytest.raises(ChunkMismatchError):
-        KVLayout.parse("v0:L1:H1:D1:B1:tp0/1")
+    single = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=16)
+    assert str(single) == "paged-v1:L2:H2:D16:B16:tp1"  # the engine's KVCacheSpec.layout
+    assert KVLayout.parse(str(single)) == single
+    for bad in ("v0:L1:H1:D1:B1:tp0/1", "paged-v1:L1:H1:D1:tp1", "paged-v1:X1:H1:D1:B1:tp1"):
+        with pytest.raises(ChunkMismatchError):
+            KVLayout.parse(bad)
+
+
+def test_engine_layout_string_parses():
+    from app.engine.kv_cache import KVCacheSpec
+
+    spec = KVCacheSpec(
+        num_layers=4, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float8_e4m3fn
+    )
+    assert str(KVLayout.parse(spec.layout)) == spec.layout
