@@ -2,7 +2,7 @@
 
 Only linear layers are candidates (our `LinearBase` family and `nn.Linear`); the LM head,
 embeddings and norms are other module types and stay in their dtype. `skip` adds patterns
-(substring of the module name, or `re:` regex) to keep more layers unquantized.
+(see `matches_any`) to keep more layers unquantized.
 """
 
 from __future__ import annotations
@@ -28,11 +28,13 @@ def is_linear(module: nn.Module) -> bool:
     return isinstance(module, (LinearBase, nn.Linear))
 
 
-def _skipped(name: str, skip: Iterable[str]) -> bool:
-    for pattern in skip:
-        if pattern.startswith("re:") and re.search(pattern[3:], name):
+def matches_any(name: str, patterns: Iterable[str]) -> bool:
+    """`re:<regex>` matches from the start of the name; a plain pattern matches the whole
+    name or its last dotted components (`down_proj` matches `model.layers.0.mlp.down_proj`)."""
+    for p in patterns:
+        if p.startswith("re:") and re.match(p[3:], name):
             return True
-        if not pattern.startswith("re:") and pattern in name:
+        if not p.startswith("re:") and (name == p or name.endswith("." + p)):
             return True
     return False
 
@@ -55,7 +57,9 @@ def _group_for(in_features: int, group_size: int, fallback: bool) -> int | None:
 def linear_modules(model: nn.Module, skip: Iterable[str] = ()) -> dict[str, nn.Module]:
     """name -> linear module that quantization would replace (before group checks)."""
     skip = tuple(skip)
-    return {n: m for n, m in model.named_modules() if n and is_linear(m) and not _skipped(n, skip)}
+    return {
+        n: m for n, m in model.named_modules() if n and is_linear(m) and not matches_any(n, skip)
+    }
 
 
 def _replace(model: nn.Module, name: str, new: nn.Module) -> None:

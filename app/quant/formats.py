@@ -144,9 +144,11 @@ class DenseFormat:
 
 
 def prepare_quantized(
-    model: nn.Module, quantization_config: dict, path: str, dtype: torch.dtype | None = None
+    model: nn.Module | None, quantization_config: dict, path: str, dtype: torch.dtype | None = None
 ) -> Callable[[Stream], Iterator[tuple[str, torch.Tensor]]]:
-    """Swap INT4 modules into `model` and return the checkpoint-stream converter."""
+    """Swap INT4 modules into `model` and return the checkpoint-stream converter.
+
+    Dense formats (FP8, 8-bit) need no model: pass None to just convert a stream."""
     plan = parse_quantization_config(quantization_config)
     shapes = checkpoint_shapes(path)
     fmt = plan.make_format(dtype)
@@ -159,6 +161,8 @@ def prepare_quantized(
     parts_of = {p: {s for s in fmt.parts if f"{p}.{s}" in names} for p in prefixes}
     scheme_of: dict[str, Int4Scheme] = {}
     if isinstance(fmt, Int4Format):
+        if model is None:
+            raise ValueError(f"checkpoint is already INT4 ({plan.describe()})")
         for p in prefixes:
             scheme = plan.scheme_for(p, shapes, fmt.marker)
             act_order = _has_act_order(parts_of[p], plan)

@@ -60,6 +60,12 @@ class Int4Weight:
         s = self.scales.float().repeat_interleave(g, dim=1)
         return ((q - z) * s).to(dtype)
 
+    def rows(self, start: int, size: int) -> Int4Weight:
+        """Output rows start..start+size (e.g. the q part of a merged qkv weight)."""
+        z = None if self.zeros is None else self.zeros[start : start + size]
+        sl = slice(start, start + size)
+        return Int4Weight(self.qweight[sl], self.scales[sl], z, self.group_size)
+
     def nbytes(self) -> int:
         zeros = 0 if self.zeros is None else _packed_zero_bytes(self.zeros)
         return self.qweight.nbytes + self.scales.nbytes + zeros
