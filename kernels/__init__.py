@@ -13,6 +13,8 @@ import contextlib
 import functools
 import importlib
 import os
+import sys
+import types
 from collections.abc import Iterator
 
 import torch
@@ -32,6 +34,22 @@ __all__ = [
     "triton_paged_prefill_attention",
     "use_triton",
 ]
+
+_DISPATCH = ("int4_gemm", "kv_write", "paged_decode_attention", "paged_prefill_attention")
+
+
+class _Package(types.ModuleType):
+    """Importing the submodule `kernels.int4_gemm` (or `kernels.kv_write`) would bind it as this
+    package's attribute of the same name, replacing the dispatch function: refuse that rebind.
+    The submodules stay importable (`from kernels.int4_gemm import ...`, sys.modules)."""
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in _DISPATCH and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 _force = os.environ.get("SLIMSERVE_FORCE_TRITON", "") == "1"
 

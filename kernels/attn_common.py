@@ -7,8 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8_utils import pow2
-from kernels.reference import FP8_DTYPE
+from kernels.fp8_utils import e4m3_bits_to_fp16, pow2
+from kernels.reference import FP8_DTYPE, is_fp8
 
 CACHE_DTYPES = (FP8_DTYPE, torch.bfloat16, torch.float16, torch.float32)
 
@@ -21,6 +21,22 @@ def dot_operands(q: torch.Tensor, k_cache: torch.Tensor) -> tuple[torch.Tensor, 
     if k_cache.dtype == torch.float32:
         q = q.float()
     return q, "ieee" if q.dtype == torch.float32 else "tf32"
+
+
+def fp8_native(t: torch.Tensor) -> bool:
+    """Whether Triton can load float8e4nv here: CPU (interpreter) and CUDA sm_89+. Older GPUs
+    (A100) get the cache as uint8 bits, decoded in-kernel by `e4m3_bits_to_fp16`."""
+    return not t.is_cuda or torch.cuda.get_device_capability(t.device) >= (8, 9)
+
+
+def cache_operands(k_cache, v_cache, k_scale, v_scale) -> tuple:
+    """(k, v, k_scale, v_scale) as the attention kernels take them: a non-FP8 cache passes
+    itself as the (unused) scale pointers; FP8 without native support passes uint8 views."""
+    if not is_fp8(k_cache):
+        return k_cache, v_cache, k_cache, v_cache
+    if not fp8_native(k_cache):
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+    return k_cache, v_cache, k_scale, v_scale
 
 
 def check_cache(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens) -> tuple[int, int]:
@@ -66,6 +82,8 @@ def _load_paged(
     x = tl.load(
         cache_ptr + rows[:, None] + offs_d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0
     )
+    if cache_ptr.dtype.element_ty == tl.uint8:  # e4m3 passed as bits (no native fp8)
+        x = e4m3_bits_to_fp16(x)
     if IS_FP8:
         e = tl.load(
             scale_ptr + blk * stride_eb + off * stride_et + hkv * stride_eh, mask=valid, other=0

@@ -49,3 +49,12 @@ def fp32_to_e4m3_bits(x):
     sub = fl.to(tl.int32) + up.to(tl.int32)
     mag = tl.where(a < 0.015625, sub, normal)
     return (mag | sign).to(tl.uint8)
+
+
+@triton.jit
+def e4m3_bits_to_fp16(b):
+    """e4m3fn bits (uint8) -> fp16, exact: move exponent+mantissa into fp16's fields (bias 15
+    instead of 7) and multiply by 2**8; e4m3 subnormals land exactly too. 0x7F (NaN) -> 480."""
+    b = b.to(tl.int16)
+    h = ((b & 0x7F) << 7) | ((b & 0x80) << 8)
+    return h.to(tl.float16, bitcast=True) * 256.0

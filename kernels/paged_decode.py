@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attn_common import check_cache, dot_operands, kv_tile_update
+from kernels.attn_common import cache_operands, check_cache, dot_operands, kv_tile_update
 from kernels.reference import is_fp8
 
 
@@ -183,7 +183,7 @@ def paged_decode_attention(
     if num_splits is None:
         num_splits = choose_num_splits(bsz, hkv, block_tables.shape[1] * block_size)
     fp8 = is_fp8(k_cache)
-    ks, vs = (k_scale, v_scale) if fp8 else (k_cache, v_cache)
+    ops = cache_operands(k_cache, v_cache, k_scale, v_scale)
     es = k_scale.stride() if fp8 else (0, 0, 0)
     out = torch.empty_like(q)
     q, precision = dot_operands(q, k_cache)
@@ -195,10 +195,7 @@ def paged_decode_attention(
     group = hq // hkv
     _decode_kernel[(bsz, hkv, num_splits)](
         q,
-        k_cache,
-        v_cache,
-        ks,
-        vs,
+        *ops,
         block_tables,
         seq_lens,
         part,

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attn_common import check_cache, dot_operands, kv_tile_update
+from kernels.attn_common import cache_operands, check_cache, dot_operands, kv_tile_update
 from kernels.reference import is_fp8
 
 
@@ -134,15 +134,12 @@ def paged_prefill_attention(
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
     fp8 = is_fp8(k_cache)
-    ks, vs = (k_scale, v_scale) if fp8 else (k_cache, v_cache)
+    ops = cache_operands(k_cache, v_cache, k_scale, v_scale)
     es = k_scale.stride() if fp8 else (0, 0, 0)
     grid = (triton.cdiv(max_query_len, block_m), hq, bsz)
     _prefill_kernel[grid](
         q,
-        k_cache,
-        v_cache,
-        ks,
-        vs,
+        *ops,
         block_tables,
         query_start_loc,
         seq_lens,

@@ -38,6 +38,17 @@ def test_forced_triton_matches_reference():
     torch.testing.assert_close(out, reference.int4_gemm(*args), atol=1e-5, rtol=1e-5)
 
 
+def test_dispatch_names_survive_submodule_import():
+    """`kernels.int4_gemm` / `kernels.kv_write` stay functions after their modules load."""
+    import importlib
+
+    mod = importlib.import_module("kernels.int4_gemm")
+    importlib.import_module("kernels.kv_write")
+    assert callable(kernels.int4_gemm) and kernels.int4_gemm is not mod
+    assert callable(kernels.kv_write) and not isinstance(kernels.kv_write, type(mod))
+    test_forced_triton_matches_reference()
+
+
 def test_import_without_triton():
     """`import kernels` and the CPU dispatch work when triton cannot be imported."""
     code = (

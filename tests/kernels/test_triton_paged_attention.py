@@ -129,3 +129,18 @@ def test_chunked_prefill_equals_full_prefill(cache_dtype):
     dec_args = (q[-1:], *cache.args(), table, lens, d**-0.5)
     _assert_close(decode.paged_decode_attention(*dec_args), full[-1:], torch.float32)
     _assert_close(reference.paged_decode_attention(*dec_args), full[-1:], torch.float32)
+
+
+def test_fp8_as_bits_path(monkeypatch):
+    """GPUs without native e4m3 (A100) get the cache as uint8 and decode bits in-kernel."""
+    from kernels import attn_common
+
+    monkeypatch.setattr(attn_common, "fp8_native", lambda t: False)
+    gen = torch.Generator().manual_seed(8)
+    args = _prefill_case(FP8, torch.float16, [9, 70], [9, 20], 4, 2, 32, 16, gen)
+    out = prefill.paged_prefill_attention(*args, block_m=16, block_n=16)
+    _assert_close(out, reference.paged_prefill_attention(*args), torch.float16)
+    q, kc, vc, ks, vs, table, _, lens, scale = args
+    dec = (q[:2].float(), kc, vc, ks, vs, table, lens, scale)
+    out = decode.paged_decode_attention(*dec, num_splits=2, block_n=16)
+    _assert_close(out, reference.paged_decode_attention(*dec), torch.float32)

@@ -1,0 +1,169 @@
+"""Compile every Triton kernel for a CUDA target on a machine without a GPU.
+
+    python tests/kernels/gpu_compile.py [sm ...]     # default: 90 (H100/H200) and 80
+
+Runs each host wrapper on small CPU tensors with the kernel launch replaced by a recorder,
+then compiles the recorded launch (types, constexprs) through Triton's whole NVIDIA pipeline
+(TTIR -> TTGIR -> LLVM -> PTX -> cubin with the bundled ptxas). This catches what the
+interpreter cannot: unsupported ops or dtypes, layout/shape errors in tl.dot, API drift
+between Triton versions. Must run without TRITON_INTERPRET (jit must build JITFunctions).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+assert os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), "unset TRITON_INTERPRET"
+
+import importlib  # noqa: E402
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+# Not `from kernels import int4_gemm`: that name is the dispatch function, not the module.
+attn_common, int4_gemm, kv_write, paged_decode, paged_prefill = (
+    importlib.import_module(f"kernels.{m}")
+    for m in ("attn_common", "int4_gemm", "kv_write", "paged_decode", "paged_prefill")
+)
+
+FP8 = torch.float8_e4m3fn
+TYPES = {
+    torch.float16: "fp16",
+    torch.bfloat16: "bf16",
+    torch.float32: "fp32",
+    torch.int32: "i32",
+    torch.int64: "i64",
+    torch.int8: "i8",
+    torch.uint8: "u8",
+    FP8: "fp8e4nv",
+}
+
+
+class Recorder:
+    """Stands in for `_kernel`: `_kernel[grid](*args, **constexprs)` is recorded, not run."""
+
+    def __init__(self, fn):
+        self.fn, self.calls = fn, []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append((args, kwargs))
+
+
+def _arg_type(a) -> str:
+    if isinstance(a, torch.Tensor):
+        return "*" + TYPES[a.dtype]
+    if isinstance(a, bool):
+        return "i1"
+    return "i32" if isinstance(a, int) else "fp32"
+
+
+def compile_call(fn, args, kwargs, target) -> None:
+    names = fn.arg_names
+    sig = {n: _arg_type(a) for n, a in zip(names, args)}
+    sig.update({n: "constexpr" for n in kwargs})
+    src = ASTSource(fn, sig, constexprs=dict(kwargs))
+    kernel = triton.compile(src, target=target)
+    assert kernel.asm.get("cubin"), f"{fn.__name__}: no cubin"
+
+
+def record(module, names, fn, *args, **kwargs) -> list:
+    """Run fn(*args, **kwargs) with module's kernels replaced by recorders."""
+    real = {n: getattr(module, n) for n in names}
+    recorders = {n: Recorder(f) for n, f in real.items()}
+    for n, r in recorders.items():
+        setattr(module, n, r)
+    try:
+        fn(*args, **kwargs)
+    finally:
+        for n, f in real.items():
+            setattr(module, n, f)
+    return [(r.fn, a, k) for r in recorders.values() for a, k in r.calls]
+
+
+def paged_inputs(cache_dtype, q_dtype, t=5):
+    nb, bs, hkv, d, hq = 8, 16, 2, 128, 8
+    kc = torch.zeros(nb, bs, hkv, d, dtype=cache_dtype)
+    ks = torch.zeros(nb, bs, hkv, dtype=torch.int8) if cache_dtype == FP8 else None
+    vs = None if ks is None else ks.clone()
+    tables = torch.zeros(2, 4, dtype=torch.int32)
+    lens = torch.tensor([3, 40], dtype=torch.int32)
+    q = torch.zeros(t, hq, d, dtype=q_dtype)
+    return q, (kc, kc.clone(), ks, vs), tables, lens
+
+
+def attention_launches(cache_dtype) -> list:
+    q, cache, bt, lens = paged_inputs(cache_dtype, torch.bfloat16)
+    k = torch.zeros(5, 2, 128, dtype=torch.bfloat16)
+    slots = torch.arange(5, dtype=torch.int64)
+    out = record(kv_write, ["_kv_write_kernel"], kv_write.kv_write, k, k, *cache, slots)
+    for splits in (1, 4):
+        out += record(
+            paged_decode,
+            ["_decode_kernel", "_reduce_kernel"],
+            paged_decode.paged_decode_attention,
+            q[:2],
+            *cache,
+            bt,
+            lens,
+            0.1,
+            num_splits=splits,
+        )
+    qsl = torch.tensor([0, 2, 5], dtype=torch.int32)
+    out += record(
+        paged_prefill,
+        ["_prefill_kernel"],
+        paged_prefill.paged_prefill_attention,
+        q,
+        *cache,
+        bt,
+        qsl,
+        lens,
+        0.1,
+        block_m=64,
+        block_n=64,
+        max_query_len=3,
+    )
+    return out
+
+
+def gemm_launches() -> list:
+    out, names = [], ["_gemv_kernel", "_tiled_kernel", "_dequant_kernel"]
+    for m, zeros in ((1, None), (4, True), (64, None), (512, True)):
+        x = torch.zeros(m, 4096, dtype=torch.bfloat16)
+        qw = torch.zeros(4096, 512, dtype=torch.int32)
+        s = torch.zeros(4096, 32, dtype=torch.bfloat16)
+        z = torch.zeros(4096, 32, dtype=torch.uint8) if zeros else None
+        out += record(int4_gemm, names, int4_gemm.int4_gemm, x, qw, s, z, 128)
+    # The M >= 1024 path: the dequant kernel (the cuBLAS matmul after it is not Triton).
+    out += record(int4_gemm, names, int4_gemm.dequantize_int4, qw, s, z, 128, torch.bfloat16)
+    return out
+
+
+def launches(arch: int) -> list:
+    """Every distinct launch; below sm_89 the FP8 cache goes in as uint8 bits."""
+    real = attn_common.fp8_native
+    attn_common.fp8_native = lambda t: arch >= 89
+    try:
+        out = attention_launches(FP8) + attention_launches(torch.bfloat16)
+    finally:
+        attn_common.fp8_native = real
+    return out + gemm_launches()
+
+
+def main(archs: list[int]) -> None:
+    for arch in archs:
+        calls = launches(arch)
+        target = GPUTarget("cuda", arch, 32)
+        for fn, args, kwargs in calls:
+            compile_call(fn, args, kwargs, target)
+            print(f"sm_{arch} ok {fn.__name__} {sorted(kwargs.items())}")
+    print(f"compiled {len(calls)} launches x {len(archs)} targets with triton {triton.__version__}")
+
+
+if __name__ == "__main__":
+    main([int(a) for a in sys.argv[1:]] or [90, 80])
