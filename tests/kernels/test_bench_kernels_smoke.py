@@ -1,0 +1,36 @@
+"""bench/kernels.py --cpu-smoke runs end to end and its interpreter results match the reference."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.triton
+pytest.importorskip("triton")
+pytest.importorskip("matplotlib")
+
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "kernels.py"
+
+
+def test_cpu_smoke(tmp_path):
+    res = subprocess.run(
+        [sys.executable, str(SCRIPT), "--cpu-smoke", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+    )
+    assert res.returncode == 0, res.stderr[-4000:]
+    result = json.loads((tmp_path / "kernels_smoke.json").read_text())
+    assert (tmp_path / "kernels_smoke.png").stat().st_size > 10_000
+    assert result["mode"] == "cpu-smoke"
+    gemm = [r for r in result["rows"] if r["op"] == "gemm" and r["impl"] == "int4"]
+    attn = [r for r in result["rows"] if r["op"] == "decode_attention"]
+    assert {r["path"] for r in gemm} == {"gemv", "tiled"}
+    assert len(attn) == 8 and {r["impl"] for r in attn} == {"fp8", "bf16"}
+    assert all(r["rel_err"] < 2e-3 for r in gemm)  # fp16 activations
+    assert all(r["max_abs_err"] < 1e-4 for r in attn)  # fp32 queries
+    assert all(r["gbps"] > 0 for r in result["rows"])
+    assert len(result["gemm_speedup"]) == 3 and len(result["attention_speedup"]) == 4
