@@ -151,15 +151,21 @@ KVStoreActor = ray.remote(num_cpus=0)(KVStore)
 
 
 def create_store(
-    capacity_bytes: int, num_shards: int = 1, name: str | None = None
+    capacity_bytes: int,
+    num_shards: int = 1,
+    name: str | None = None,
+    lifetime: str | None = None,
 ) -> list[ActorHandle]:
     """Start the shards (named ``{name}-{i}`` when ``name`` is set, so other processes find
-    them with ``ray.get_actor``); each holds ``capacity_bytes / num_shards``."""
+    them with ``ray.get_actor``; an existing shard of that name is reused); each holds
+    ``capacity_bytes / num_shards``. ``lifetime="detached"`` outlives the creating driver."""
     assert num_shards >= 1
     per_shard = capacity_bytes // num_shards
     shards = []
     for i in range(num_shards):
-        opts = {"name": f"{name}-{i}", "get_if_exists": True} if name else {}
+        opts: dict = {"name": f"{name}-{i}", "get_if_exists": True} if name else {}
+        if lifetime:
+            opts["lifetime"] = lifetime
         shards.append(KVStoreActor.options(**opts).remote(per_shard, i))
     return shards
 

@@ -1,0 +1,63 @@
+"""build_app(args) -> serve.Application: the deployment graph for either mode.
+
+disaggregated: Ingress -> PrefillServer (xN) -> DecodeServer (xM), with the KV store shards
+as detached named actors; colocated: Ingress -> EngineServer (xN).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
+from app.kvstore.store import create_store
+from app.serve.colocated import EngineServer
+from app.serve.config import ServeArgs
+from app.serve.decode import DecodeServer
+from app.serve.ingress import Ingress
+from app.serve.prefill import PrefillServer
+from app.serve.router import TokenAwareRouter
+
+
+def build_app(args: dict[str, Any] | ServeArgs) -> serve.Application:
+    """Entry point for `serve run app.serve.build:build_app` and `slimserve serve`."""
+    cfg = args if isinstance(args, ServeArgs) else ServeArgs(**(args or {}))
+    plain = cfg.model_dump()
+    ingress = Ingress.options(
+        ray_actor_options={"num_cpus": 0},
+        max_ongoing_requests=cfg.max_ongoing_requests * 4,
+    )
+    if cfg.mode == "colocated":
+        engine = _engine_deployment(EngineServer, cfg, cfg.num_engine_replicas, "prefill")
+        return ingress.bind(plain, engine=engine.bind(plain))
+    ensure_store(cfg)
+    prefill = _engine_deployment(PrefillServer, cfg, cfg.num_prefill_replicas, "prefill")
+    decode = _engine_deployment(DecodeServer, cfg, cfg.num_decode_replicas, "decode")
+    return ingress.bind(plain, prefill=prefill.bind(plain), decode=decode.bind(plain))
+
+
+def _engine_deployment(cls, cfg: ServeArgs, replicas: int, role: str):
+    router = RequestRouterConfig(
+        request_router_class=TokenAwareRouter,
+        request_router_kwargs={"role": role, "chunk_tokens": cfg.engine.chunk_tokens},
+        request_routing_stats_period_s=cfg.routing_stats_period_s,
+    )
+    return cls.options(
+        num_replicas=replicas,
+        max_ongoing_requests=cfg.max_ongoing_requests,
+        max_queued_requests=cfg.max_queued_requests,
+        ray_actor_options={"num_cpus": cfg.replica_num_cpus, "num_gpus": cfg.replica_num_gpus},
+        request_router_config=router,
+        health_check_period_s=5,
+    )
+
+
+def ensure_store(cfg: ServeArgs) -> None:
+    """Start the store shards once per cluster (detached, named); later calls reuse them."""
+    if not ray.is_initialized():
+        ray.init()
+    create_store(
+        cfg.store_capacity_bytes, cfg.store_shards, name=cfg.store_name, lifetime="detached"
+    )

@@ -1,0 +1,62 @@
+"""Operator configuration of the Serve application (pydantic: unknown fields are errors)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class EngineArgs(BaseModel):
+    """What each engine replica is built from (mirrors app.config.EngineConfig)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None  # None: the embedded default model
+    dtype: str = "auto"
+    device: str = "auto"
+    kv_cache_dtype: str = "fp8_e4m3"
+    kv_cache_memory_bytes: int | None = Field(default=64 << 20, gt=0)
+    block_size: int = Field(default=16, gt=0)
+    chunk_tokens: int = Field(default=256, gt=0)
+    max_num_seqs: int = Field(default=64, gt=0)
+    max_num_batched_tokens: int = Field(default=2048, gt=0)
+    weight_quant: str | None = None
+    torch_threads: int | None = Field(default=None, gt=0)  # None: torch's default
+
+    @model_validator(mode="after")
+    def _chunk_is_whole_blocks(self) -> EngineArgs:
+        if self.chunk_tokens % self.block_size:
+            raise ValueError("chunk_tokens must be a multiple of block_size")
+        return self
+
+
+class ServeArgs(BaseModel):
+    """Everything `build_app` needs; also the `args:` of deploy/*.yaml."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mode: Literal["disaggregated", "colocated"] = "disaggregated"
+    engine: EngineArgs = Field(default_factory=EngineArgs)
+    served_model_name: str | None = None  # None: the model folder's name
+    num_prefill_replicas: int = Field(default=1, ge=1)
+    num_decode_replicas: int = Field(default=1, ge=1)
+    num_engine_replicas: int = Field(default=1, ge=1)  # colocated mode
+    replica_num_cpus: float = Field(default=0.0, ge=0)
+    replica_num_gpus: float = Field(default=0.0, ge=0)
+    # Backpressure: beyond these, requests get HTTP 429 with Retry-After.
+    max_ongoing_requests: int = Field(default=32, ge=1)
+    max_queued_requests: int = Field(default=64, ge=0)
+    retry_after_s: int = Field(default=1, ge=1)
+    # Shared KV store.
+    store_capacity_bytes: int = Field(default=512 << 20, gt=0)
+    store_shards: int = Field(default=1, ge=1)
+    store_name: str = "slimserve-kvstore"
+    # Routing (app/serve/router.py documents the policy).
+    routing_stats_period_s: float = Field(default=0.5, gt=0)
+    allow_routing_hints: bool = False  # honour x-slimserve-*-replica headers (tests, ops)
+    # Tenancy: the cache salt comes from the operator, never from the request body.
+    api_key_cache_salts: dict[str, str] = Field(default_factory=dict)
+    cache_salt_header: str | None = None  # set only behind a proxy that strips it
+    max_prompt_tokens: int | None = Field(default=None, gt=0)  # None: the model's context
+    request_timeout_s: float = Field(default=300.0, gt=0)

@@ -1,0 +1,51 @@
+"""Frozen messages between the ingress, the router and the engine replicas (same trust zone)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from app.engine.request import RequestDelta
+from app.engine.sampling_params import SamplingParams
+from app.kvstore.store import StoredChunk
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingInfo:
+    """What the token-aware router reads off a request (app/serve/router.py)."""
+
+    num_tokens: int  # prompt tokens this request will make its replica compute or hold
+    chunk_keys: tuple[int, ...] = ()  # short (8-byte) forms of the prompt's chunk keys
+    hint: int | None = None  # forced replica index; set only when the operator allows it
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateRequest:
+    """One completion choice to generate (the ingress splits n > 1 into n of these)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    cache_salt: str | None = None
+    routing: RoutingInfo = field(default_factory=lambda: RoutingInfo(0))
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillResult:
+    request_id: str
+    first: RequestDelta  # the first sampled token (finished if it already ends the choice)
+    chunks: list[StoredChunk]  # the prompt's KV, in order, store-owned: full + partial last
+    replica: str
+    num_store_tokens: int = 0  # prompt tokens whose KV came from the shared store
+    store_failures: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeRequest:
+    request: GenerateRequest
+    prefill: PrefillResult
+    routing: RoutingInfo = field(default_factory=lambda: RoutingInfo(0))
+
+
+def short_key(key: bytes) -> int:
+    """A chunk key's first 8 bytes: enough to tell prefixes apart in routing stats."""
+    return int.from_bytes(key[:8], "little")

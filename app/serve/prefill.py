@@ -1,0 +1,89 @@
+"""PrefillServer: store look-up, prompt computation, first token, KV published to the store."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from ray import serve
+
+from app.engine.request import Request, RequestDelta
+from app.kvstore.store import KVStoreClient, StoredChunk
+from app.kvstore.transfer import publish
+from app.serve.config import ServeArgs
+from app.serve.messages import GenerateRequest, PrefillResult
+from app.serve.replica import EngineHost, is_full
+
+log = logging.getLogger(__name__)
+
+
+@serve.deployment(name="PrefillServer")
+class PrefillServer:
+    def __init__(self, args: dict[str, Any]):
+        self.args = ServeArgs(**args)
+        store = KVStoreClient.from_name(self.args.store_name, self.args.store_shards)
+        self.host = EngineHost(self.args, store)
+
+    async def describe(self) -> dict[str, Any]:
+        return {**self.host.describe(), "replica": self.host.name}
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        return self.host.routing_stats()
+
+    async def stats(self) -> dict[str, Any]:
+        return self.host.stats()
+
+    async def prefill(self, req: GenerateRequest) -> PrefillResult:
+        host, prompt = self.host, req.prompt_token_ids
+        host.inflight_tokens += len(prompt)
+        try:
+            fetched, reused = await host.import_from_store(prompt, req.cache_salt)
+            request = Request(
+                req.request_id,
+                prompt,
+                dataclasses.replace(req.params, n=1),
+                cache_salt=req.cache_salt,
+                kv_import=fetched.chunks or None,
+                prefill_only=True,
+            )
+            first: RequestDelta | None = None
+            async for delta in host.async_engine.generate(request):
+                first = delta if first is None else _merge(first, delta)
+            assert first is not None and first.finished, "prefill ended without a final delta"
+            chunks = await self._publish(first.exported_chunks or [], reused)
+            first = dataclasses.replace(first, exported_chunks=None)
+            return PrefillResult(
+                req.request_id,
+                first,
+                chunks,
+                host.name,
+                num_store_tokens=fetched.num_tokens,
+                store_failures=len(fetched.failures),
+            )
+        finally:
+            host.inflight_tokens -= len(prompt)
+
+    async def _publish(self, exported: list, reused: list[StoredChunk]) -> list[StoredChunk]:
+        """Store-owned refs for every exported chunk; new full chunks are also cached."""
+        store, ct = self.host.store, self.host.chunk_tokens
+        known = {s.key: s for s in reused}
+        fresh = [c for c in exported if c.key not in known]
+        new_full = [c for c in fresh if is_full(c, ct)]
+        partial = [c for c in fresh if not is_full(c, ct)]
+        published = await publish(store, new_full, cache=True)
+        published += await publish(store, partial, cache=False)
+        self.host.remember(c.key for c in new_full if c.key)
+        by_key = {s.key: s for s in published} | known
+        return [by_key[c.key or b""] for c in exported]
+
+
+def _merge(a: RequestDelta, b: RequestDelta) -> RequestDelta:
+    """Fold two deltas of one choice (the engine may close a choice with an empty delta)."""
+    return dataclasses.replace(
+        b,
+        new_token_ids=a.new_token_ids + b.new_token_ids,
+        text_delta=a.text_delta + b.text_delta,
+        logprobs=(a.logprobs or []) + (b.logprobs or []) or None,
+        exported_chunks=b.exported_chunks or a.exported_chunks,
+    )

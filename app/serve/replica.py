@@ -1,0 +1,149 @@
+"""What every engine replica shares: the engine, its chunk keys, store I/O, routing stats."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import OrderedDict
+from typing import Any
+
+import ray
+import torch
+
+from app.config import CacheConfig, EngineConfig, SchedulerConfig
+from app.engine.async_engine import AsyncEngine
+from app.engine.block_hash import chain_keys, make_salt
+from app.engine.engine import Engine
+from app.kvstore.chunk import KVChunk
+from app.kvstore.store import KVStoreClient, StoredChunk
+from app.kvstore.transfer import ChunkExpectation, FetchResult, fetch_verified
+from app.serve.config import EngineArgs, ServeArgs
+from app.serve.messages import short_key
+
+log = logging.getLogger(__name__)
+_RECENT_KEYS = 2048  # chunk keys a replica advertises for prefix affinity
+
+
+def resolve_model(model: str | None) -> str:
+    if model:
+        return model
+    from app.assets import default_model_path
+
+    return default_model_path()
+
+
+def engine_config(args: EngineArgs) -> EngineConfig:
+    return EngineConfig(
+        model=resolve_model(args.model),
+        dtype=args.dtype,
+        device=args.device,
+        weight_quant=args.weight_quant,
+        cache=CacheConfig(
+            block_size=args.block_size,
+            kv_cache_dtype=args.kv_cache_dtype,
+            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+            chunk_tokens=args.chunk_tokens,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
+        ),
+    )
+
+
+def replica_name() -> str:
+    try:
+        return ray.get_runtime_context().get_actor_name() or f"pid-{os.getpid()}"
+    except Exception:  # outside an actor (unit tests)
+        return f"pid-{os.getpid()}"
+
+
+class EngineHost:
+    def __init__(self, args: ServeArgs, store: KVStoreClient | None):
+        if args.engine.torch_threads:
+            torch.set_num_threads(args.engine.torch_threads)
+        self.args = args
+        self.engine = Engine(engine_config(args.engine))
+        self.async_engine = AsyncEngine(self.engine)
+        self.store = store
+        spec = self.engine.kv_spec
+        self.chunk_tokens = args.engine.chunk_tokens
+        self.block_size = spec.block_size
+        self.expect = ChunkExpectation(self.engine.fingerprint, spec.layout, spec.dtype_name)
+        self.inflight_tokens = 0  # prompt tokens of requests this replica is working on
+        self._recent: OrderedDict[int, None] = OrderedDict()
+        self.name = replica_name()
+
+    def describe(self) -> dict[str, Any]:
+        """What the ingress needs to tokenize, validate and key prompts like the engine."""
+        cfg = self.engine.model_config
+        return {
+            "model": self.engine.config.model,
+            "fingerprint": self.engine.fingerprint,
+            "salt_base": list(self.engine.salt_base),
+            "block_size": self.block_size,
+            "chunk_tokens": self.chunk_tokens,
+            "max_model_len": cfg.max_position_embeddings,
+            "vocab_size": cfg.vocab_size,
+        }
+
+    def chunk_keys(self, prompt: list[int], cache_salt: str | None) -> list[bytes]:
+        return prompt_chunk_keys(
+            prompt, self.engine.salt_base, cache_salt, self.block_size, self.chunk_tokens
+        )
+
+    async def import_from_store(
+        self, prompt: list[int], cache_salt: str | None
+    ) -> tuple[FetchResult, list[StoredChunk]]:
+        """The verified KV of the prompt's longest stored prefix (leaving >= 1 token to run)."""
+        if self.store is None:
+            return FetchResult(), []
+        usable = (len(prompt) - 1) // self.chunk_tokens
+        keys = self.chunk_keys(prompt, cache_salt)[:usable]
+        hit = await self.store.match_prefix(keys)
+        fetched = await self.fetch(hit, prompt)
+        return fetched, hit[: len(fetched.chunks)]
+
+    async def fetch(self, stored: list[StoredChunk], prompt: list[int]) -> FetchResult:
+        assert self.store is not None
+        result = await fetch_verified(self.store, stored, self.expect, prompt)
+        self.remember(c.key for c in result.chunks if c.key)
+        return result
+
+    def remember(self, keys) -> None:
+        for key in keys:
+            self._recent[short_key(key)] = None
+            self._recent.move_to_end(short_key(key))
+        while len(self._recent) > _RECENT_KEYS:
+            self._recent.popitem(last=False)
+
+    def routing_stats(self) -> dict[str, Any]:
+        s = self.engine.stats()
+        used_blocks = s["kv_blocks_total"] - s["kv_blocks_free"]
+        return {
+            "inflight_tokens": self.inflight_tokens,
+            "kv_tokens_held": int(used_blocks * self.block_size),
+            "free_blocks": int(s["kv_blocks_free"]),
+            "block_size": self.block_size,
+            "cached_keys": list(self._recent),
+        }
+
+    def stats(self) -> dict[str, Any]:
+        return {**self.engine.stats(), "inflight_tokens": self.inflight_tokens, "name": self.name}
+
+
+def prompt_chunk_keys(
+    prompt: list[int],
+    salt_base: tuple[str, str, str] | list[str],
+    cache_salt: str | None,
+    block_size: int,
+    chunk_tokens: int,
+) -> list[bytes]:
+    """Key of every full chunk of ``prompt``: the block key of the chunk's last block."""
+    salt = make_salt(*salt_base, cache_salt)
+    per_chunk = chunk_tokens // block_size
+    block_keys = chain_keys(prompt, block_size, salt)
+    return block_keys[per_chunk - 1 :: per_chunk]
+
+
+def is_full(chunk: KVChunk, chunk_tokens: int) -> bool:
+    return chunk.meta.num_tokens == chunk_tokens

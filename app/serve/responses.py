@@ -1,0 +1,182 @@
+"""Fan-in of a request's choices, OpenAI response bodies and SSE, and error mapping."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ray.exceptions import RayActorError, RayTaskError
+from ray.serve.exceptions import BackPressureError
+
+from app.engine.request import OverloadedError, RequestDelta
+from app.serve.openai_protocol import (
+    APIError,
+    chat_logprobs,
+    completion_logprobs,
+    envelope,
+    usage,
+)
+
+_END = object()
+
+
+class ChoiceStream:
+    """Runs each choice's delta stream as a task; yields deltas (index = choice) as they come."""
+
+    def __init__(self, choices: list[AsyncIterator[RequestDelta]]):
+        self._choices = choices
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._tasks: list[asyncio.Task] = []
+        self._open = len(choices)
+
+    def _start(self) -> None:
+        if not self._tasks:
+            self._tasks = [
+                asyncio.create_task(self._pump(i, c)) for i, c in enumerate(self._choices)
+            ]
+
+    async def _pump(self, index: int, choice: AsyncIterator[RequestDelta]) -> None:
+        try:
+            async for delta in choice:
+                self._queue.put_nowait(dataclasses.replace(delta, index=index))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer
+            self._queue.put_nowait(e)
+        finally:
+            self._queue.put_nowait(_END)
+
+    async def next(self) -> RequestDelta | None:
+        """The next delta of any choice; None once every choice has ended."""
+        self._start()
+        while self._open:
+            item = await self._queue.get()
+            if item is _END:
+                self._open -= 1
+                continue
+            if isinstance(item, BaseException):
+                self.close()
+                raise item
+            return item
+        return None
+
+    async def first(self) -> RequestDelta | None:
+        try:
+            return await self.next()
+        except BaseException:
+            self.close()
+            raise
+
+    async def collect(self, timeout_s: float) -> list[list[RequestDelta]]:
+        out: list[list[RequestDelta]] = [[] for _ in self._choices]
+
+        async def drain() -> None:
+            while (delta := await self.next()) is not None:
+                out[delta.index].append(delta)
+
+        try:
+            await asyncio.wait_for(drain(), timeout_s)
+        except asyncio.TimeoutError:
+            raise APIError(504, f"request took longer than {timeout_s}s", type="timeout") from None
+        finally:
+            self.close()
+        return out
+
+    def close(self) -> None:
+        """Cancel what is still running: downstream replicas abort and free the KV blocks."""
+        for task in self._tasks:
+            if not task.done():
+                task.cancel()
+
+
+def final_body(kind, rid, model, num_prompt, per_choice: list[list[RequestDelta]], tokenizer):
+    choices, completion_tokens, cached = [], 0, 0
+    for i, deltas in enumerate(per_choice):
+        text = "".join(d.text_delta for d in deltas)
+        completion_tokens += sum(len(d.new_token_ids) for d in deltas)
+        cached = max([cached] + [d.num_cached_tokens for d in deltas[:1]])
+        reason = next((d.finish_reason for d in reversed(deltas) if d.finished), None)
+        if kind == "chat.completion":
+            message = {"role": "assistant", "content": text}
+            lps = chat_logprobs(deltas, tokenizer)
+            choices.append(
+                {"index": i, "message": message, "logprobs": lps, "finish_reason": reason}
+            )
+        else:
+            lps = completion_logprobs(deltas, tokenizer)
+            choices.append({"index": i, "text": text, "logprobs": lps, "finish_reason": reason})
+    return envelope(kind, rid, model, choices, usage=usage(num_prompt, completion_tokens, cached))
+
+
+async def sse_chunks(
+    stream: ChoiceStream,
+    first: RequestDelta | None,
+    kind: str,
+    rid: str,
+    model: str,
+    tokenizer,
+    include_usage: bool,
+) -> AsyncIterator[bytes]:
+    chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
+    started: set[int] = set()
+    num_prompt, completion_tokens, cached = 0, 0, 0
+    delta = first
+    try:
+        while delta is not None:
+            num_prompt = max(num_prompt, delta.num_prompt_tokens)
+            completion_tokens += len(delta.new_token_ids)
+            if delta.index not in started:
+                cached = max(cached, delta.num_cached_tokens)
+            choice = _stream_choice(kind, delta, delta.index not in started, tokenizer)
+            started.add(delta.index)
+            yield _sse(envelope(chunk_kind, rid, model, [choice]))
+            delta = await stream.next()
+        if include_usage:
+            body = envelope(chunk_kind, rid, model, [])
+            body["usage"] = usage(num_prompt, completion_tokens, cached)
+            yield _sse(body)
+    except APIError as e:
+        yield _sse(e.body())
+    except Exception as e:  # noqa: BLE001 - the status line is gone: report in-band
+        yield _sse(error_from_exception(e, 1).body())
+    finally:
+        stream.close()
+    yield b"data: [DONE]\n\n"
+
+
+def _stream_choice(kind: str, delta: RequestDelta, first: bool, tokenizer) -> dict[str, Any]:
+    reason = delta.finish_reason if delta.finished else None
+    if kind == "chat.completion":
+        content: dict[str, Any] = {"content": delta.text_delta}
+        if first:
+            content["role"] = "assistant"
+        lps = chat_logprobs([delta], tokenizer)
+        return {"index": delta.index, "delta": content, "logprobs": lps, "finish_reason": reason}
+    lps = completion_logprobs([delta], tokenizer)
+    return {
+        "index": delta.index,
+        "text": delta.text_delta,
+        "logprobs": lps,
+        "finish_reason": reason,
+    }
+
+
+def _sse(body: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(body)}\n\n".encode()
+
+
+def error_from_exception(e: BaseException, retry_after_s: int) -> APIError:
+    cause = getattr(e, "cause", None) if isinstance(e, RayTaskError) else e
+    busy = {"Retry-After": str(retry_after_s)}
+    if isinstance(e, BackPressureError) or isinstance(cause, OverloadedError | BackPressureError):
+        msg = "the server is overloaded; retry after the Retry-After delay"
+        return APIError(429, msg, type="rate_limit_error", code="overloaded", headers=busy)
+    if isinstance(cause, APIError):
+        return cause
+    if isinstance(cause, ValueError):
+        return APIError(400, str(cause))
+    if isinstance(e, RayActorError) or isinstance(cause, RayActorError):
+        msg = "a model replica became unavailable; retry the request"
+        return APIError(503, msg, type="server_error", code="unavailable", headers=busy)
+    return APIError(500, f"internal error: {type(e).__name__}", type="server_error")
