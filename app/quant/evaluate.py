@@ -30,6 +30,7 @@ class QuantConfig:
     name: str
     kv_cache_dtype: str = "auto"
     weight_quant: str | None = None
+    model: str | None = None  # another checkpoint of the same model (e.g. GPTQ output)
 
 
 BASELINE = QuantConfig("baseline")
@@ -105,7 +106,7 @@ class Evaluator:
 
     def _llm(self, cfg: QuantConfig) -> LLM:
         return LLM(
-            self.model,
+            cfg.model or self.model,
             dtype=self.dtype,
             kv_cache_dtype=cfg.kv_cache_dtype,
             weight_quant=cfg.weight_quant,
@@ -142,11 +143,11 @@ class Evaluator:
 
 
 def format_table(results: list[QualityResult]) -> str:
-    head = f"{'config':<16}{'ppl':>9}{'base ppl':>10}{'mean KL':>10}{'top-1':>8}{'greedy':>8}"
+    head = f"{'config':<20}{'ppl':>9}{'base ppl':>10}{'mean KL':>10}{'top-1':>8}{'greedy':>8}"
     rows = [head, "-" * len(head)]
     for r in results:
         rows.append(
-            f"{r.name:<16}{r.perplexity:>9.3f}{r.baseline_perplexity:>10.3f}{r.mean_kl:>10.5f}"
+            f"{r.name:<20}{r.perplexity:>9.3f}{r.baseline_perplexity:>10.3f}{r.mean_kl:>10.5f}"
             f"{r.top1_agreement:>8.3f}{r.greedy_prefix_agreement:>8.3f}"
         )
     return "\n".join(rows)
