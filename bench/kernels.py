@@ -203,7 +203,7 @@ def bench_attention_point(batch, ctx, heads, block_size, device, gen) -> list[di
             ref = reference.paged_decode_attention(*args)
             row["max_abs_err"] = (fn().float() - ref.float()).abs().max().item()
         rows.append(row)
-        del cache
+        del cache, args, fn  # free this cache before allocating the next one
     return rows
 
 
