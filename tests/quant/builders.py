@@ -50,8 +50,16 @@ def _linear_names(state: dict) -> list[str]:
     )
 
 
-def make_compressed_tensors(src: str, out: str, symmetric: bool, group_size: int = 32) -> str:
-    """Quantize `src` with compressed-tensors (W4A16 group) and save pack-quantized."""
+def make_compressed_tensors(
+    src: str,
+    out: str,
+    symmetric: bool,
+    group_size: int | None = 32,
+    num_bits: int = 4,
+    kind: str = "int",
+    fmt: str = "pack-quantized",
+) -> str:
+    """Quantize `src` with compressed-tensors (weight-only, group or channel) and save it."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
         QuantizationArgs,
@@ -63,8 +71,9 @@ def make_compressed_tensors(src: str, out: str, symmetric: bool, group_size: int
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    strategy = "group" if group_size else "channel"
     args = QuantizationArgs(
-        num_bits=4, type="int", symmetric=symmetric, strategy="group", group_size=group_size
+        num_bits=num_bits, type=kind, symmetric=symmetric, strategy=strategy, group_size=group_size
     )
     scheme = QuantizationScheme(targets=["Linear"], weights=args)
     apply_quantization_config(
@@ -74,12 +83,12 @@ def make_compressed_tensors(src: str, out: str, symmetric: bool, group_size: int
         for m in model.modules():
             if hasattr(m, "weight_scale"):  # what an observer would do: min/max per group
                 n, k = m.weight.shape
-                wg = m.weight.view(n, k // group_size, group_size)
+                wg = m.weight.view(n, k // (group_size or k), group_size or k)
                 s, z = calculate_qparams(wg.amin(-1), wg.amax(-1), args)
                 m.weight_scale.copy_(s.to(m.weight_scale.dtype))
                 if hasattr(m, "weight_zero_point"):
                     m.weight_zero_point.copy_(z.to(m.weight_zero_point.dtype))
-    compressor = ModelCompressor.from_pretrained_model(model, "pack-quantized")
+    compressor = ModelCompressor.from_pretrained_model(model, fmt)
     compressor.compress_model(model)
     model.save_pretrained(out)
     compressor.update_config(out)

@@ -42,6 +42,25 @@ def test_compressed_tensors_pack_quantized_matches_library(llama_path, tmp_path,
     torch.testing.assert_close(ours, hf_dequantized_logits(path, IDS), atol=ATOL, rtol=1e-4)
 
 
+@pytest.mark.parametrize(
+    "kwargs,int4",
+    [
+        (dict(symmetric=True, group_size=None), True),  # channel-wise INT4: group = K
+        (
+            dict(symmetric=True, group_size=None, num_bits=8, kind="float", fmt="float-quantized"),
+            False,
+        ),
+        (dict(symmetric=False, group_size=None, num_bits=8, fmt="naive-quantized"), False),
+    ],
+    ids=["int4-channel", "fp8-float-quantized", "int8-naive-quantized"],
+)
+def test_other_compressed_tensors_formats_match_library(llama_path, tmp_path, kwargs, int4):
+    path = make_compressed_tensors(llama_path, str(tmp_path / "ct"), **kwargs)
+    llm, ours = score(path)
+    assert len(int4_modules(llm)) == (8 if int4 else 0)
+    torch.testing.assert_close(ours, hf_dequantized_logits(path, IDS), atol=ATOL, rtol=1e-4)
+
+
 @pytest.mark.parametrize("desc_act", [False, True])
 def test_gptq_layout_matches_dequantized_twin(llama_path, tmp_path, desc_act):
     path, twin = make_gptq(llama_path, str(tmp_path / "q"), str(tmp_path / "t"), 32, desc_act)
