@@ -13,6 +13,7 @@ from app.engine.block_manager import BlockManager
 from app.engine.detokenizer import IncrementalDetokenizer
 from app.engine.fingerprint import eos_token_ids, model_fingerprint
 from app.engine.kv_cache import KVCache, KVCacheSpec
+from app.engine.kv_transfer import export_chunks, import_chunks
 from app.engine.model_runner import ModelRunner
 from app.engine.outputs import OutputProcessor
 from app.engine.request import Request, RequestDelta
@@ -103,6 +104,8 @@ class Engine:
         for later in seqs[1:]:
             later.wait_for = seqs[0]
         self.scheduler.add(seqs)
+        if request.kv_import:
+            import_chunks(self, request, salt)
         self.seqs[request.request_id] = seqs
 
     def _validate(self, request: Request) -> None:
@@ -148,6 +151,9 @@ class Engine:
         for seq, (token, logprob) in zip(sampled, samples):
             seq.token_ids.append(token)
             delta = self.outputs.process(seq, token, logprob)
+            if seq.request.prefill_only:  # hand the prompt's KV over, then stop
+                delta.exported_chunks = export_chunks(self, seq)
+                delta.finished, seq.status = True, SeqStatus.FINISHED
             if seq.finished:
                 self._finish(seq)
             deltas.append(delta)

@@ -1,0 +1,75 @@
+"""Disaggregation seams: prefill_only export, kv_import into a second engine (no Ray)."""
+
+import pytest
+
+from app.config import CacheConfig, EngineConfig
+from app.engine.engine import Engine
+from app.engine.request import Request
+from app.engine.sampling_params import SamplingParams
+from app.kvstore.chunk import KVChunk
+
+PROMPT = [3 + (i * 7) % 300 for i in range(75)]  # 2 chunks of 32 + a partial of 11
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+def make_engine(path, kv_dtype="fp8_e4m3") -> Engine:
+    cache = CacheConfig(
+        block_size=16, kv_cache_dtype=kv_dtype, kv_cache_memory_bytes=2 << 20, chunk_tokens=32
+    )
+    return Engine(EngineConfig(model=path, dtype="float32", device="cpu", cache=cache))
+
+
+def run(engine: Engine, request: Request):
+    engine.add_request(request)
+    deltas = []
+    while engine.has_unfinished():
+        deltas += engine.step()
+    return deltas
+
+
+@pytest.fixture(scope="module")
+def engines(llama_path):
+    return make_engine(llama_path), make_engine(llama_path)
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "fp32"])
+def test_prefill_export_then_import_continues_like_one_engine(llama_path, kv_dtype):
+    prefill, decode = make_engine(llama_path, kv_dtype), make_engine(llama_path, kv_dtype)
+    want = [
+        t
+        for d in run(make_engine(llama_path, kv_dtype), Request("ref", PROMPT, GREEDY))
+        for t in d.new_token_ids
+    ]
+
+    (first,) = run(prefill, Request("p", PROMPT, GREEDY, prefill_only=True))
+    assert first.finished and first.finish_reason is None and len(first.new_token_ids) == 1
+    chunks = first.exported_chunks
+    assert [c.meta.num_tokens for c in chunks] == [32, 32, 11]
+    assert [c.meta.start_pos for c in chunks] == [0, 32, 64]
+    assert chunks[1].meta.parent_key == chunks[0].key
+    assert prefill.blocks.num_free == prefill.blocks.num_blocks  # blocks went back to the pool
+
+    wire = [KVChunk.decode(c.encode()) for c in chunks]  # as they cross processes
+    rest = run(decode, Request("d", PROMPT + first.new_token_ids, GREEDY, kv_import=wire))
+    got = first.new_token_ids + [t for d in rest for t in d.new_token_ids][: GREEDY.max_tokens - 1]
+    assert got == want
+    assert rest[0].num_cached_tokens == 64  # whole blocks imported; the 11-token tail recomputed
+    assert decode.blocks.num_free == decode.blocks.num_blocks
+
+
+def test_import_under_another_cache_salt_is_ignored(engines):
+    prefill, decode = engines
+    (first,) = run(prefill, Request("p2", PROMPT, GREEDY, cache_salt="a", prefill_only=True))
+    req = Request(
+        "d2", PROMPT + first.new_token_ids, GREEDY, cache_salt="b", kv_import=first.exported_chunks
+    )
+    rest = run(decode, req)
+    assert rest[0].num_cached_tokens == 0
+
+
+def test_import_of_chunks_for_another_prompt_is_ignored(engines):
+    prefill, decode = engines
+    (first,) = run(prefill, Request("p3", PROMPT, GREEDY, prefill_only=True))
+    other = [PROMPT[0] + 1] + PROMPT[1:]
+    rest = run(decode, Request("d3", other, GREEDY, kv_import=first.exported_chunks))
+    assert rest[0].num_cached_tokens == 0
