@@ -138,7 +138,7 @@ class EngineConfig:
     dtype: str = "auto"  # auto: bf16 on CUDA, float32 on CPU
     device: str = "auto"
     weight_quant: str | None = None  # None | "int4"
-    attention_backend: str = "auto"  # auto | reference | triton
+    attention_backend: str = "auto"  # auto | torch | reference | triton
     tensor_parallel_size: int = 1
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -147,7 +147,7 @@ class EngineConfig:
     def __post_init__(self):
         if self.weight_quant not in (None, "int4"):
             raise ValueError(f"weight_quant must be None or 'int4', got {self.weight_quant!r}")
-        if self.attention_backend not in ("auto", "reference", "triton"):
+        if self.attention_backend not in ("auto", "torch", "reference", "triton"):
             raise ValueError(f"unknown attention_backend {self.attention_backend!r}")
 
     def resolved_device(self) -> torch.device:

@@ -27,8 +27,10 @@ class AttentionMetadata:
 
 def backend_ops(name: str, device: torch.device):
     """An object providing kv_write / paged_decode_attention / paged_prefill_attention."""
-    if name == "reference" or (name == "auto" and device.type != "cuda"):
+    if name == "reference":
         return importlib.import_module("kernels.reference")
+    if name == "torch" or (name == "auto" and device.type != "cuda"):
+        return importlib.import_module("app.engine.torch_attention")
     kernels = importlib.import_module("kernels")
     if name == "auto":  # Triton on CUDA, reference elsewhere, decided per call
         return kernels

@@ -1,0 +1,60 @@
+"""Shared helpers for the benchmarks: model choice, result files, plots."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def default_model() -> str:
+    """The embedded default model if it is there, else a tiny random Llama (head_dim 64)."""
+    from app.assets import default_model_path
+
+    path = default_model_path()
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    sys.path.insert(0, os.path.join(os.path.dirname(RESULTS), "..", "tests"))
+    from tiny_models import make_checkpoint
+
+    return make_checkpoint("llama", tempfile.mkdtemp(), head_dim=64, hidden_size=256)
+
+
+def write_json(name: str, data: dict, out_dir: str = RESULTS) -> str:
+    os.makedirs(out_dir, exist_ok=True)
+    data = {"machine": platform.platform(), "cpus": os.cpu_count(), "time": time.time(), **data}
+    path = os.path.join(out_dir, f"{name}.json")
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2)
+    return path
+
+
+def bar_plot(
+    name: str, title: str, groups: dict[str, dict[str, float]], ylabel: str, out_dir=RESULTS
+):
+    """groups: series -> {x label: value}; one PNG beside the JSON."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = list(next(iter(groups.values())))
+    width = 0.8 / len(groups)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for i, (series, values) in enumerate(groups.items()):
+        xs = [j + i * width for j in range(len(labels))]
+        ax.bar(xs, [values[k] for k in labels], width, label=series)
+    ax.set_xticks([j + width * (len(groups) - 1) / 2 for j in range(len(labels))], labels)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    path = os.path.join(out_dir, f"{name}.png")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
