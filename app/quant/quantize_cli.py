@@ -110,7 +110,10 @@ def _gptq_table(src, group_size, symmetric, act_order, calib, n, seq_len, dtype,
     from app.quant.calibrate import calibration_sequences, gptq_model
     from app.tokenizer import Tokenizer
 
-    model, _ = load_model(src, torch.float32, device)
+    # BF16 on GPU is enough for activations: Hessians and GPTQ itself run in float32.
+    model, _ = load_model(
+        src, torch.bfloat16 if device.startswith("cuda") else torch.float32, device
+    )
     with open(calib or CALIB_PATH, encoding="utf-8") as f:
         ids = Tokenizer.from_path(src).encode(f.read())
     seqs = calibration_sequences(ids, seq_len, n)

@@ -105,11 +105,12 @@ def _compressed_tensors(cfg: dict[str, Any]) -> QuantPlan:
     groups = cfg.get("config_groups") or {}
     if not groups:
         raise ValueError("compressed-tensors quantization_config has no config_groups")
-    formats = {g.get("format") or cfg.get("format") for g in groups.values()}
-    if len(formats) != 1 or (fmt := formats.pop()) not in COMPRESSED_TENSORS_FORMATS:
+    formats = sorted({str(g.get("format") or cfg.get("format")) for g in groups.values()})
+    fmt = formats[0]
+    if len(formats) != 1 or fmt not in COMPRESSED_TENSORS_FORMATS:
         raise ValueError(
-            f"compressed-tensors format(s) {sorted(map(str, formats))} not supported; "
-            f"supported: {COMPRESSED_TENSORS_FORMATS}"
+            f"compressed-tensors format(s) {formats} not supported (one of "
+            f"{COMPRESSED_TENSORS_FORMATS} for all config_groups)"
         )
     plan = QuantPlan("compressed-tensors", fmt, ignore=list(cfg.get("ignore") or []))
     for name, group in groups.items():
