@@ -94,14 +94,17 @@ def group_params(
 
     The range always includes 0 (so zero is exact). Symmetric: s = amax / 7.5, z = 8, so
     codes -8..7 cover [-amax, amax] with |error| <= s/2. Asymmetric: s = (max - min) / 15,
-    z = round(-min / s). The scale is rounded to `scale_dtype` first so that the codes are
-    chosen against the scale that is actually stored.
+    z = round(-min / s). The scale is rounded (up) to `scale_dtype` first so that the codes
+    are chosen against the scale that is actually stored and the bound still holds.
     """
     w = w.float()
     lo = w.amin(dim=-1).clamp(max=0)
     hi = w.amax(dim=-1).clamp(min=0)
     scale = torch.maximum(-lo, hi) / 7.5 if symmetric else (hi - lo) / QMAX
-    scale = scale.to(scale_dtype).float()
+    stored = scale.to(scale_dtype)
+    # Round the stored scale up, never down, so the grid still spans the group's range.
+    up = torch.nextafter(stored, torch.full_like(stored, float("inf")))
+    scale = torch.where(stored.float() < scale, up, stored).float()
     scale = torch.where(scale == 0, torch.ones_like(scale), scale)
     if symmetric:
         zero = torch.full_like(scale, SYM_ZERO)

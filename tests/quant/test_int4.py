@@ -21,13 +21,15 @@ def test_pack_unpack_round_trip_and_nibble_order():
     )
 
 
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("symmetric", [True, False])
 @pytest.mark.parametrize("group", [32, 64, 128])
-def test_rtn_error_is_at_most_half_a_step(symmetric, group):
+def test_rtn_error_is_at_most_half_a_step(symmetric, group, scale_dtype):
     torch.manual_seed(0)
     w = torch.randn(48, 256) * torch.rand(48, 1) * 3  # rows of different scale
     w[0, :group] = 0.0  # an all-zero group must not divide by zero
-    qw = quantize_rtn(w, group, symmetric)
+    qw = quantize_rtn(w, group, symmetric, scale_dtype=scale_dtype)
+    assert qw.scales.dtype == scale_dtype
     err = (qw.dequantize() - w).abs().view(48, -1, group)
     step = qw.scales.float().unsqueeze(-1)
     assert bool((err <= step / 2 + 1e-5).all())
