@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.device import num_sms
+
 
 @triton.jit
 def _dequant_tile(
@@ -255,7 +257,7 @@ def int4_gemm(
     assert zeros is None or zeros.shape == scales.shape, zeros.shape
     assert x.stride(1) == 1 and qweight.stride(1) == 1 and scales.stride(1) == 1
     assert zeros is None or zeros.stride(1) == 1
-    cfg = config or choose_config(m, n, k)
+    cfg = config or choose_config(m, n, k, num_sms(x))
     if cfg["path"] == "dequant":
         w = dequantize_int4(qweight, scales, zeros, group_size, x.dtype)  # [N, K]
         return torch.matmul(x, w.T)

@@ -12,7 +12,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attn_common import cache_operands, check_cache, dot_operands, kv_tile_update
+from kernels.attn_common import (
+    cache_operands,
+    check_cache,
+    dot_operands,
+    kv_tile_update,
+)
+from kernels.device import num_sms
 from kernels.reference import is_fp8
 
 
@@ -181,7 +187,8 @@ def paged_decode_attention(
     hkv, block_size = check_cache(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens)
     assert seq_lens.shape == (bsz,)
     if num_splits is None:
-        num_splits = choose_num_splits(bsz, hkv, block_tables.shape[1] * block_size)
+        max_context = block_tables.shape[1] * block_size  # an upper bound, no host sync
+        num_splits = choose_num_splits(bsz, hkv, max_context, num_sms(q))
     fp8 = is_fp8(k_cache)
     ops = cache_operands(k_cache, v_cache, k_scale, v_scale)
     es = k_scale.stride() if fp8 else (0, 0, 0)
