@@ -1,0 +1,109 @@
+"""Custom Serve autoscaling policies: prefill scales on prompt tokens, decode on KV and seqs.
+
+Ray Serve's default policy sizes a deployment on ``target_ongoing_requests`` (requests per
+replica). That fits neither phase of an LLM: one 8k-token prompt costs a prefill replica as
+much as a hundred 80-token prompts, and a decode replica is full when its KV cache is full,
+whatever the request count. So each engine replica reports its own load through Serve's
+``record_autoscaling_stats`` hook (see ``autoscaling_stats``), Serve aggregates each metric per
+replica over ``look_back_period_s`` with ``aggregation_function``, and the policies below turn
+the totals into a replica count. Serve then applies ``upscaling_factor`` /
+``downscaling_factor``, ``upscale_delay_s`` / ``downscale_delay_s`` and the
+``min_replicas``/``max_replicas`` bounds, exactly as for its own policy.
+
+Both are classes so the deploy config can tune them (``policy.policy_kwargs``); Serve builds
+one instance per deployment and calls it every control-loop tick. Until the replicas have
+reported (first seconds after start) they fall back to Serve's request-count policy.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ray.serve.autoscaling_policy import replica_queue_length_autoscaling_policy
+from ray.serve.config import AutoscalingContext
+
+# Metric names a replica reports (record_autoscaling_stats) and the policies read.
+PREFILL_TOKENS = "prefill_tokens"  # prompt tokens admitted and not yet prefilled
+NUM_REQUESTS = "num_requests"  # requests the replica is working on
+KV_CACHE_USAGE = "kv_cache_usage"  # fraction of KV blocks in use, 0..1
+NUM_RUNNING = "num_running"  # sequences in the decode batch
+NUM_WAITING = "num_waiting"  # sequences admitted but not scheduled (no KV room / batch full)
+
+
+def autoscaling_stats(stats: dict[str, Any], inflight_tokens: int, num_requests: int) -> dict:
+    """What an engine replica reports to the Serve autoscaler, from ``Engine.stats()``."""
+    return {
+        PREFILL_TOKENS: float(inflight_tokens),
+        NUM_REQUESTS: float(num_requests),
+        KV_CACHE_USAGE: float(stats["kv_cache_usage"]),
+        NUM_RUNNING: float(stats["num_running"]),
+        NUM_WAITING: float(stats["num_waiting"]),
+    }
+
+
+def _per_replica(ctx: AutoscalingContext, name: str) -> list[float] | None:
+    """The metric's aggregated value for every running replica, or None if any is missing."""
+    by_replica = (ctx.aggregated_metrics or {}).get(name) or {}
+    values = [by_replica.get(r) for r in ctx.running_replicas]
+    if not values or any(v is None or math.isnan(v) for v in values):
+        return None
+    return [float(v) for v in values]
+
+
+class PrefillTokenPolicy:
+    """Replicas = prompt tokens waiting to be prefilled / ``target_tokens_per_replica``.
+
+    The waiting tokens are those the replicas hold (``prefill_tokens``) plus an estimate for
+    the requests Serve still queues at the callers' handles (beyond ``max_ongoing_requests``):
+    each counted at the replicas' mean tokens per request, or ``default_prompt_tokens`` when
+    the replicas are idle. Choose the target as the tokens one replica prefills within your
+    TTFT budget (prefill throughput in tokens/s x budget in s).
+    """
+
+    def __init__(self, target_tokens_per_replica: float = 8192, default_prompt_tokens: int = 512):
+        assert target_tokens_per_replica > 0 and default_prompt_tokens > 0
+        self.target_tokens_per_replica = float(target_tokens_per_replica)
+        self.default_prompt_tokens = default_prompt_tokens
+
+    def __call__(self, ctx: AutoscalingContext) -> tuple[float, dict[str, Any]]:
+        tokens = _per_replica(ctx, PREFILL_TOKENS)
+        requests = _per_replica(ctx, NUM_REQUESTS)
+        if tokens is None or requests is None:
+            return replica_queue_length_autoscaling_policy(ctx)
+        held, running = sum(tokens), sum(requests)
+        per_request = held / running if running >= 1 else self.default_prompt_tokens
+        queued = max(0.0, float(ctx.total_queued_requests or 0.0))
+        demand = held + queued * per_request
+        desired = demand / self.target_tokens_per_replica
+        return desired, {"prefill_tokens_demand": demand}
+
+
+class DecodeKVPolicy:
+    """Replicas = the larger of two pressures, so neither KV nor the batch runs out:
+
+    - KV: ``current x mean(kv_cache_usage) / target_kv_usage`` keeps the fleet's cache about
+      ``target_kv_usage`` full (room left for the sequences' growth, no preemption);
+    - sequences: ``(running + waiting + queued requests) / target_running_per_replica`` keeps
+      the decode batch near the size where per-token latency is still acceptable.
+
+    Waiting sequences on a decode replica mean it has no KV room or a full batch, so they
+    count as demand. Tune ``target_running_per_replica`` from the ITL-vs-batch curve.
+    """
+
+    def __init__(self, target_kv_usage: float = 0.75, target_running_per_replica: float = 48):
+        assert 0 < target_kv_usage <= 1 and target_running_per_replica > 0
+        self.target_kv_usage = float(target_kv_usage)
+        self.target_running_per_replica = float(target_running_per_replica)
+
+    def __call__(self, ctx: AutoscalingContext) -> tuple[float, dict[str, Any]]:
+        usage = _per_replica(ctx, KV_CACHE_USAGE)
+        running = _per_replica(ctx, NUM_RUNNING)
+        waiting = _per_replica(ctx, NUM_WAITING)
+        if usage is None or running is None or waiting is None:
+            return replica_queue_length_autoscaling_policy(ctx)
+        by_kv = sum(usage) / self.target_kv_usage  # = replicas x mean usage / target
+        queued = max(0.0, float(ctx.total_queued_requests or 0.0))
+        seqs = sum(running) + sum(waiting) + queued
+        by_seqs = seqs / self.target_running_per_replica
+        return max(by_kv, by_seqs), {"decode_by_kv": by_kv, "decode_by_seqs": by_seqs}
