@@ -27,6 +27,7 @@ def evaluator(llama_path):
         gen_tokens=8,
         num_prompts=2,
         device="cpu",
+        kv_cache_memory_bytes=8 << 20,
     )
 
 

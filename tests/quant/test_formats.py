@@ -19,10 +19,11 @@ from quant.builders import (
 
 IDS = list(range(10, 47))
 ATOL = 2e-4  # float32 end to end; observed ~2e-6
+KV_BYTES = 8 << 20
 
 
 def score(path: str, **kw) -> tuple[LLM, torch.Tensor]:
-    llm = LLM(path, dtype="float32", device="cpu", **kw)
+    llm = LLM(path, dtype="float32", device="cpu", kv_cache_memory_bytes=KV_BYTES, **kw)
     return llm, llm.engine.score(IDS)
 
 
