@@ -64,7 +64,7 @@ def main(argv=None) -> dict:
     from app import LLM
 
     model_path = args.model or default_model()
-    llm = LLM(model_path, dtype="float32", device="cpu")
+    llm = LLM(model_path, dtype="float32", device="cpu", show_progress=True)
     hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     vocab = llm.engine.model_config.vocab_size
     rows = {}

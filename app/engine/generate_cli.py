@@ -40,6 +40,7 @@ def run(args: argparse.Namespace) -> int:
             device=args.device,
             kv_cache_dtype=args.kv_cache_dtype,
             weight_quant=args.weight_quant,
+            show_progress=True,
         )
         if args.chat:
             out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]

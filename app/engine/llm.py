@@ -32,6 +32,7 @@ class LLM:
         weight_quant: str | None = None,
         attention_backend: str = "auto",
         tensor_parallel_size: int = 1,
+        show_progress: bool = False,
     ):
         if tensor_parallel_size != 1:
             raise NotImplementedError("tensor_parallel_size > 1 is not supported yet")
@@ -53,7 +54,7 @@ class LLM:
                 long_prefill_chunk=long_prefill_chunk,
             ),
         )
-        self.engine = Engine(config)
+        self.engine = Engine(config, progress=show_progress)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

@@ -71,3 +71,12 @@ def test_unknown_architecture_is_a_clear_error(tmp_path, llama_path):
     cfg_file.write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="unsupported architecture 'FancyForCausalLM'.*Llama"):
         LLM(str(tmp_path / "m"), device="cpu")
+
+
+def test_bfloat16_weights_track_float32(llama_path):
+    ids = PROMPTS[1]
+    ref = LLM(llama_path, dtype="float32", device="cpu").engine.score(ids)
+    bf16 = LLM(llama_path, dtype="bfloat16", device="cpu").engine.score(ids)
+    assert bf16.dtype == torch.float32  # logits are always float32
+    assert (bf16.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
+    assert (bf16 - ref).abs().mean() < 0.1 * ref.std()
