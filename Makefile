@@ -28,5 +28,9 @@ bench: $(STAMP)
 	$(BIN)/python bench/kv_capacity.py
 	$(BIN)/python bench/throughput.py
 
+# gRPC code: protos/ -> app/serve/grpc_gen/ (checked in; tests/grpc fails if it drifts).
+protos: $(STAMP)
+	$(BIN)/python app/serve/grpc_codegen.py .
+
 clean:
 	rm -rf $(VENV)
