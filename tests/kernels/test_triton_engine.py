@@ -48,4 +48,6 @@ def test_triton_backend_matches_reference(llama_path, kv_cache_dtype):
     assert got == want and all(len(t) == 8 for t in got)
     # Again after the batch: prompt 2's first block now comes from the prefix cache.
     again = [PROMPTS[2]]
+    hits = tri.engine.stats()["prefix_cache_hits"]
     assert tri.generate(again, params)[0].token_ids == ref.generate(again, params)[0].token_ids
+    assert tri.engine.stats()["prefix_cache_hits"] > hits
