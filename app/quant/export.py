@@ -140,10 +140,11 @@ def export_compressed_tensors(
     symmetric: bool,
     bytes_in: int,
     out_dtype: torch.dtype,
+    shard_bytes: int = SHARD_BYTES,
 ) -> ExportReport:
     """Stream `tensors` into `out`; `quantize(module, weight)` returns None to keep dense."""
     os.makedirs(out, exist_ok=True)
-    writer = ShardWriter(out)
+    writer = ShardWriter(out, shard_bytes)
     report = ExportReport(bytes_in, 0)
     for name, t in tensors:
         module = name[: -len(".weight")] if name.endswith(".weight") else None

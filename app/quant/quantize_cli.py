@@ -13,7 +13,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from app.quant.apply import matches_any
-from app.quant.export import DEFAULT_SKIP, ExportReport, export_compressed_tensors
+from app.quant.export import DEFAULT_SKIP, SHARD_BYTES, ExportReport, export_compressed_tensors
 from app.quant.int4 import quantize_rtn
 
 CALIB_PATH = os.path.join(os.path.dirname(__file__), "calib.txt")
@@ -67,6 +67,7 @@ def quantize_checkpoint(
     calib_len: int = 512,
     device: str = "cpu",
     progress: bool = False,
+    shard_bytes: int = SHARD_BYTES,
 ) -> ExportReport:
     qcfg, dtype = _source(src)
     table = None
@@ -102,6 +103,7 @@ def quantize_checkpoint(
         symmetric,
         checkpoint_tensor_bytes(src),
         dtype,
+        shard_bytes,
     )
 
 

@@ -76,3 +76,15 @@ def test_an_int4_source_is_refused(llama_path, tmp_path):
     quantize_checkpoint(llama_path, out, "rtn", 32)
     with pytest.raises(ValueError, match="already INT4"):
         quantize_checkpoint(out, str(tmp_path / "again"), "rtn", 32)
+
+
+def test_sharded_output_with_index(llama_path, tmp_path):
+    out = str(tmp_path / "int4")
+    report = quantize_checkpoint(llama_path, out, "rtn", 32, shard_bytes=64 << 10)
+    assert len(report.files) > 2 and all(os.path.exists(f) for f in report.files)
+    with open(os.path.join(out, "model.safetensors.index.json")) as f:
+        index = json.load(f)
+    assert set(index["weight_map"].values()) == {os.path.basename(f) for f in report.files}
+    assert report.bytes_out == tensor_bytes_on_disk(out)
+    ours = LLM(out, dtype="float32", device="cpu").engine.score(IDS)
+    torch.testing.assert_close(ours, hf_dequantized_logits(out, IDS), atol=2e-4, rtol=1e-4)
