@@ -80,3 +80,17 @@ def test_bfloat16_weights_track_float32(llama_path):
     assert bf16.dtype == torch.float32  # logits are always float32
     assert (bf16.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
     assert (bf16 - ref).abs().mean() < 0.1 * ref.std()
+
+
+def test_sharded_checkpoint_loads(llama_path, tmp_path):
+    import glob
+    import shutil
+
+    model = AutoModelForCausalLM.from_pretrained(llama_path, dtype=torch.float32)
+    model.save_pretrained(tmp_path, max_shard_size="100KB")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{llama_path}/{name}", tmp_path)
+    assert len(glob.glob(f"{tmp_path}/*.safetensors")) > 1
+    sharded = LLM(str(tmp_path), dtype="float32", device="cpu").engine.score(PROMPTS[0])
+    single = LLM(llama_path, dtype="float32", device="cpu").engine.score(PROMPTS[0])
+    torch.testing.assert_close(sharded, single)
