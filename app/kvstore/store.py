@@ -148,6 +148,7 @@ class KVStore:
 
 
 KVStoreActor = ray.remote(num_cpus=0)(KVStore)
+STORE_NAMESPACE = "slimserve"  # named shards live here, whatever namespace their users run in
 
 
 def create_store(
@@ -163,7 +164,9 @@ def create_store(
     per_shard = capacity_bytes // num_shards
     shards = []
     for i in range(num_shards):
-        opts: dict = {"name": f"{name}-{i}", "get_if_exists": True} if name else {}
+        opts: dict = {}
+        if name:
+            opts = {"name": f"{name}-{i}", "namespace": STORE_NAMESPACE, "get_if_exists": True}
         if lifetime:
             opts["lifetime"] = lifetime
         shards.append(KVStoreActor.options(**opts).remote(per_shard, i))
@@ -179,7 +182,9 @@ class KVStoreClient:
 
     @classmethod
     def from_name(cls, name: str, num_shards: int) -> KVStoreClient:
-        return cls([ray.get_actor(f"{name}-{i}") for i in range(num_shards)])
+        return cls(
+            [ray.get_actor(f"{name}-{i}", namespace=STORE_NAMESPACE) for i in range(num_shards)]
+        )
 
     def shard_index(self, key: bytes) -> int:
         return int.from_bytes(key[:8], "little") % len(self.shards)

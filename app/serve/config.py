@@ -58,5 +58,7 @@ class ServeArgs(BaseModel):
     # Tenancy: the cache salt comes from the operator, never from the request body.
     api_key_cache_salts: dict[str, str] = Field(default_factory=dict)
     cache_salt_header: str | None = None  # set only behind a proxy that strips it
+    # gRPC: reject calls whose API key (metadata) is not in api_key_cache_salts.
+    grpc_require_api_key: bool = False
     max_prompt_tokens: int | None = Field(default=None, gt=0)  # None: the model's context
     request_timeout_s: float = Field(default=300.0, gt=0)

@@ -1,8 +1,8 @@
 """Ingress: the OpenAI-compatible HTTP API; tokenizes, validates and drives the replicas."""
-
-from __future__ import annotations
+# No `from __future__ import annotations`: FastAPI must see the real Request annotation.
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -19,20 +19,46 @@ from ray.serve.handle import DeploymentHandle
 
 from app.engine.request import RequestDelta
 from app.serve.config import ServeArgs
+from app.serve.grpc_servicer import GrpcIngress
 from app.serve.messages import DecodeRequest, GenerateRequest, RoutingInfo, short_key
 from app.serve.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest
 from app.serve.replica import prompt_chunk_keys, resolve_model
-from app.serve.responses import ChoiceStream, error_from_exception, final_body, sse_chunks
+from app.serve.responses import (
+    DONE_REASONS,
+    ChoiceStream,
+    detokenized,
+    error_from_exception,
+    final_body,
+    sse_chunks,
+)
 from app.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 api = FastAPI(title="slimserve", docs_url=None, redoc_url=None)
-_DONE = ("stop", "length", "abort")
+
+
+# Module helpers sit above the class: @serve.deployment serializes it on definition.
+
+
+async def _stream(response) -> AsyncIterator[Any]:
+    """Iterate a streaming DeploymentResponseGenerator; cancel it if we stop early."""
+    done = False
+    try:
+        async for item in response:
+            yield item
+        done = True
+    finally:
+        if not done:
+            response.cancel()
+
+
+def _with(params, **changes):
+    return dataclasses.replace(params, **changes)
 
 
 @serve.deployment(name="Ingress")
 @serve.ingress(api)
-class Ingress:
+class Ingress(GrpcIngress):  # gRPC methods: app/serve/grpc_servicer.py
     def __init__(
         self,
         args: dict[str, Any],
@@ -74,8 +100,14 @@ class Ingress:
             params = body.to_params()
             salt = self._cache_salt(http, body)
             rid = ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + uuid.uuid4().hex
+            eos = frozenset(info["eos_token_ids"])
             choices = [
-                self._choice(self._generate_request(rid, i, prompt, params, salt, info, http))
+                detokenized(
+                    self._choice(self._generate_request(rid, i, prompt, params, salt, info, http)),
+                    self.tokenizer,
+                    params,
+                    eos,
+                )
                 for i in range(params.n)
             ]
             stream = ChoiceStream(choices)
@@ -119,7 +151,9 @@ class Ingress:
                 code="model_not_found",
             )
         if body.cache_salt is not None:
-            raise APIError(400, "cache_salt is set by the operator, not the request", "cache_salt")
+            raise APIError(
+                400, "cache_salt is set by the operator, not the request", param="cache_salt"
+            )
         return body
 
     def _prompt(self, body, info: dict[str, Any]) -> list[int]:
@@ -127,7 +161,9 @@ class Ingress:
             try:
                 prompt = self.tokenizer.encode_chat(body.conversation())
             except ValueError as e:
-                raise APIError(400, f"cannot apply the chat template: {e}", "messages") from None
+                raise APIError(
+                    400, f"cannot apply the chat template: {e}", param="messages"
+                ) from None
         elif isinstance(body.prompt, str):
             prompt = self.tokenizer.encode(body.prompt)
         elif body.prompt and isinstance(body.prompt[0], str):
@@ -192,27 +228,9 @@ class Ingress:
             response.cancel()
             raise
         yield result.first
-        if result.first.finish_reason in _DONE:
+        if result.first.finish_reason in DONE_REASONS:
             return
         routing = RoutingInfo(gen.routing.num_tokens, gen.routing.chunk_keys, None)
         request = DecodeRequest(gen, result, routing)
         async for delta in _stream(self.decode.options(stream=True).generate.remote(request)):
             yield delta
-
-
-async def _stream(response) -> AsyncIterator[Any]:
-    """Iterate a streaming DeploymentResponseGenerator; cancel it if we stop early."""
-    done = False
-    try:
-        async for item in response:
-            yield item
-        done = True
-    finally:
-        if not done:
-            response.cancel()
-
-
-def _with(params, **changes):
-    import dataclasses
-
-    return dataclasses.replace(params, **changes)

@@ -84,6 +84,7 @@ class EngineHost:
             "chunk_tokens": self.chunk_tokens,
             "max_model_len": cfg.max_position_embeddings,
             "vocab_size": cfg.vocab_size,
+            "eos_token_ids": sorted(self.engine.outputs.eos_ids),
         }
 
     def chunk_keys(self, prompt: list[int], cache_salt: str | None) -> list[bytes]:

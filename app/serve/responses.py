@@ -11,6 +11,7 @@ from typing import Any
 from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError
 
+from app.engine.detokenizer import IncrementalDetokenizer
 from app.engine.request import OverloadedError, RequestDelta
 from app.serve.openai_protocol import (
     APIError,
@@ -21,6 +22,37 @@ from app.serve.openai_protocol import (
 )
 
 _END = object()
+DONE_REASONS = ("stop", "length", "abort")  # a prefill's first delta has none: decode follows
+
+
+async def detokenized(
+    deltas: AsyncIterator[RequestDelta], tokenizer, params, eos_ids: frozenset[int]
+) -> AsyncIterator[RequestDelta]:
+    """Text for one choice from all its tokens, wherever they were sampled.
+
+    In disaggregated mode the first token comes from the prefill replica and the rest from
+    the decode replica, whose detokenizer never saw that first token; so the ingress makes
+    the text (and finds stop strings) over the whole choice, as the offline engine does.
+    """
+    detok = IncrementalDetokenizer(tokenizer, params.stop, params.skip_special_tokens)
+    stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
+    async for d in deltas:
+        ids = d.new_token_ids
+        if d.finish_reason == "stop" and ids and ids[-1] in stop_ids:
+            ids = ids[:-1]  # like the engine: a stop token is counted but not printed
+        if ids:
+            detok.add(ids)
+        done = d.finished and d.finish_reason in DONE_REASONS
+        reason = d.finish_reason if done else None
+        cut = detok.find_stop()
+        if cut is not None:
+            detok.truncate(cut)
+            done, reason = True, "stop"
+        yield dataclasses.replace(
+            d, text_delta=detok.take(final=done), finished=done, finish_reason=reason
+        )
+        if done:
+            return
 
 
 class ChoiceStream:

@@ -17,6 +17,12 @@ Policy: send a request to the replica with the lowest *cost in tokens*:
   is full (``max_ongoing_requests``) are tried only when no other is available.
 - A request's ``RoutingInfo.hint`` (only set when ``ServeArgs.allow_routing_hints``) forces
   the replica of that index, in replica-id order: tests use it to place requests.
+
+Requests are assigned FIFO (Serve's FIFOMixin, as its built-in routers do): a replica
+chosen for one request goes to the oldest waiting request. Without it, Ray 2.60's exact
+per-request matching left some concurrent requests unrouted for seconds. Under bursts the
+choice is therefore made for the head of the queue, which is the request it serves unless
+several arrive at once.
 """
 
 from __future__ import annotations
@@ -24,14 +30,20 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+from ray.serve.request_router import (
+    FIFOMixin,
+    PendingRequest,
+    ReplicaID,
+    RequestRouter,
+    RunningReplica,
+)
 
 from app.serve.messages import RoutingInfo
 
 log = logging.getLogger(__name__)
 
 
-class TokenAwareRouter(RequestRouter):
+class TokenAwareRouter(FIFOMixin, RequestRouter):
     def initialize_state(
         self, role: str = "prefill", chunk_tokens: int = 256, affinity_weight: float = 1.0
     ) -> None:

@@ -1,0 +1,231 @@
+"""slimserve.v1 messages <-> the HTTP side's request models and the engine's deltas.
+
+A gRPC request is turned into the same pydantic body the HTTP API validates, so both APIs
+share defaults, ranges and error messages; errors become gRPC status codes here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from pydantic import ValidationError
+from ray.serve.exceptions import (
+    DeploymentUnavailableError,
+    ReplicaUnavailableError,
+    RequestCancelledError,
+)
+
+from app.engine.request import RequestDelta, TokenLogprob
+from app.serve.grpc_gen.slimserve.v1 import generation_pb2 as pb
+from app.serve.openai_protocol import (
+    APIError,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+)
+from app.serve.responses import error_from_exception
+
+_FINISH = {
+    "stop": pb.FINISH_REASON_STOP,
+    "length": pb.FINISH_REASON_LENGTH,
+    "abort": pb.FINISH_REASON_ABORT,
+}
+_CODES = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    401: grpc.StatusCode.UNAUTHENTICATED,
+    404: grpc.StatusCode.NOT_FOUND,
+    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    499: grpc.StatusCode.CANCELLED,
+    503: grpc.StatusCode.UNAVAILABLE,
+    504: grpc.StatusCode.DEADLINE_EXCEEDED,
+}
+_OPTIONAL_SAMPLING = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+_REQUEST_ID_CHARS = frozenset(map(chr, range(0x21, 0x7F)))
+
+
+# --- requests -----------------------------------------------------------------------
+
+
+def http_body(req: pb.GenerateRequest, model: str) -> CompletionRequest | ChatCompletionRequest:
+    """The HTTP API's request model for this gRPC request (validated the same way)."""
+    kind = req.WhichOneof("input")
+    if kind is None:
+        raise APIError(400, "input: set exactly one of text, chat or token_ids", param="input")
+    fields: dict[str, Any] = {"model": req.model or model, **_sampling_fields(req)}
+    logprobs = req.sampling.logprobs if req.sampling.HasField("logprobs") else None
+    if kind == "chat":
+        fields["messages"] = [{"role": m.role, "content": m.content} for m in req.chat.messages]
+        fields |= {"logprobs": logprobs is not None, "top_logprobs": logprobs}
+        return _validate(ChatCompletionRequest, fields)
+    fields["prompt"] = req.text if kind == "text" else list(req.token_ids.ids)
+    fields["logprobs"] = logprobs
+    return _validate(CompletionRequest, fields)
+
+
+def _sampling_fields(req: pb.GenerateRequest) -> dict[str, Any]:
+    s = req.sampling
+    out: dict[str, Any] = {
+        name: getattr(s, name) for name in _OPTIONAL_SAMPLING if s.HasField(name)
+    }
+    if s.n:
+        out["n"] = s.n
+    if s.stop:
+        out["stop"] = list(s.stop)
+    if s.stop_token_ids:
+        out["stop_token_ids"] = list(s.stop_token_ids)
+    out["ignore_eos"] = s.ignore_eos
+    return out
+
+
+def _validate(model_cls, fields: dict[str, Any]):
+    try:
+        return model_cls.model_validate(fields)
+    except ValidationError as e:
+        first = e.errors()[0]
+        loc = [str(p) for p in first["loc"]]
+        if loc and (loc[0] in _OPTIONAL_SAMPLING or loc[0] in ("n", "stop", "stop_token_ids")):
+            loc.insert(0, "sampling")
+        if loc and loc[0] == "messages":
+            loc[0] = "chat.messages"
+        where = ".".join(loc) or "request"
+        raise APIError(400, f"{where}: {first['msg']}", param=where) from None
+
+
+def conversation(chat: pb.Chat) -> list[dict[str, str]]:
+    """Chat turns as the tokenizer's template wants them; roles checked like the HTTP API."""
+    if not chat.messages:
+        raise APIError(400, "chat.messages: at least one message is required")
+    try:
+        turns = [ChatMessage(role=m.role, content=m.content) for m in chat.messages]
+    except ValidationError as e:
+        raise APIError(400, f"chat.messages: {e.errors()[0]['msg']}") from None
+    return [{"role": t.role, "content": t.text()} for t in turns]
+
+
+def request_id(req: pb.GenerateRequest, fallback: str) -> str:
+    rid = req.request_id
+    if not rid:
+        return fallback
+    if len(rid) > 128 or not set(rid) <= _REQUEST_ID_CHARS:
+        raise APIError(400, "request_id: at most 128 printable ASCII characters, no spaces")
+    return rid
+
+
+# --- responses ----------------------------------------------------------------------
+
+
+def logprobs_pb(lps: list[TokenLogprob] | None) -> list[pb.TokenLogprob]:
+    return [
+        pb.TokenLogprob(
+            token_id=lp.token_id,
+            logprob=lp.logprob,
+            top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
+        )
+        for lp in lps or []
+    ]
+
+
+def finish_reason(delta: RequestDelta) -> int:
+    return _FINISH.get(delta.finish_reason or "", 0) if delta.finished else 0
+
+
+@dataclass(slots=True)
+class UsageCounter:
+    """Counts a request's tokens over its choices' deltas; knows when the last one ended."""
+
+    num_prompt: int
+    num_choices: int
+    completion: int = 0
+    cached: int = 0
+    finished: int = 0
+    started: set[int] = field(default_factory=set)
+
+    def add(self, delta: RequestDelta) -> bool:
+        """Count one delta; True when it is the request's last."""
+        self.completion += len(delta.new_token_ids)
+        if delta.index not in self.started:
+            self.started.add(delta.index)
+            self.cached = max(self.cached, delta.num_cached_tokens)
+        self.finished += int(delta.finished)
+        return self.finished == self.num_choices
+
+    def usage(self) -> pb.Usage:
+        return pb.Usage(
+            prompt_tokens=self.num_prompt,
+            completion_tokens=self.completion,
+            total_tokens=self.num_prompt + self.completion,
+            cached_prompt_tokens=self.cached,
+        )
+
+
+def stream_message(delta: RequestDelta, rid: str) -> pb.GenerateResponse:
+    return pb.GenerateResponse(
+        request_id=rid,
+        index=delta.index,
+        token_ids=delta.new_token_ids,
+        text=delta.text_delta,
+        logprobs=logprobs_pb(delta.logprobs),
+        finish_reason=finish_reason(delta),
+    )
+
+
+def complete_message(
+    rid: str, model: str, per_choice: list[list[RequestDelta]], counter: UsageCounter
+) -> pb.CompleteResponse:
+    choices = []
+    for index, deltas in enumerate(per_choice):
+        for d in deltas:
+            counter.add(d)
+        last = next((d for d in reversed(deltas) if d.finished), None)
+        choices.append(
+            pb.Choice(
+                index=index,
+                text="".join(d.text_delta for d in deltas),
+                token_ids=[t for d in deltas for t in d.new_token_ids],
+                logprobs=logprobs_pb([lp for d in deltas for lp in d.logprobs or []]),
+                finish_reason=finish_reason(last) if last else 0,
+            )
+        )
+    return pb.CompleteResponse(request_id=rid, model=model, choices=choices, usage=counter.usage())
+
+
+# --- errors -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class GrpcError:
+    code: grpc.StatusCode
+    message: str
+    trailers: tuple[tuple[str, str], ...] = ()
+
+
+def grpc_error(e: BaseException, retry_after_s: int) -> GrpcError:
+    """The status a caller gets for ``e``; INTERNAL only for the server's own faults."""
+    if isinstance(e, asyncio.TimeoutError | TimeoutError):
+        return GrpcError(grpc.StatusCode.DEADLINE_EXCEEDED, f"request timed out: {e}".rstrip(": "))
+    if isinstance(e, RequestCancelledError):
+        return GrpcError(grpc.StatusCode.CANCELLED, "the request was cancelled")
+    if isinstance(e, DeploymentUnavailableError | ReplicaUnavailableError):
+        e = APIError(503, "no healthy model replica is available; retry the request")
+    err = e if isinstance(e, APIError) else error_from_exception(e, retry_after_s)
+    code = _CODES.get(err.status, grpc.StatusCode.INTERNAL)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        message = f"the server is overloaded; retry after {retry_after_s}s"
+    elif code == grpc.StatusCode.UNAVAILABLE:
+        message = f"{err.message.rstrip('.')} (retry after {retry_after_s}s)"
+    else:
+        return GrpcError(code, err.message)
+    return GrpcError(code, message, (("retry-after", str(retry_after_s)),))

@@ -1,0 +1,265 @@
+"""The slimserve.v1.Generation and grpc.health.v1.Health services, served by Serve's gRPC proxy.
+
+Ray Serve's gRPC proxy routes every call to the ingress deployment of the application named
+in the `application` metadata (or of the only application) and calls the method named like
+the RPC. An application has exactly one ingress, so these methods live on the same Ingress
+deployment as the HTTP routes (`Ingress` inherits `GrpcIngress`) and drive the same
+internals: the HTTP request models for validation, `_prompt`, `_generate_request`,
+`_choice`, `ChoiceStream` and the error mapping.
+
+Cancellation: when a client cancels or its deadline passes, gRPC cancels the proxy's call;
+the proxy cancels this replica's request, which cancels the choice streams, whose engine
+replicas abort the request and free its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from types import SimpleNamespace
+from typing import Any
+
+import grpc
+from ray.serve.grpc_util import RayServegRPCContext
+
+from app.serve.grpc_convert import (
+    GrpcError,
+    UsageCounter,
+    complete_message,
+    conversation,
+    grpc_error,
+    http_body,
+    request_id,
+    stream_message,
+)
+from app.serve.grpc_gen.grpc.health.v1 import health_pb2, health_pb2_grpc
+from app.serve.grpc_gen.slimserve.v1 import generation_pb2 as pb
+from app.serve.grpc_gen.slimserve.v1 import generation_pb2_grpc
+from app.serve.openai_protocol import APIError
+from app.serve.responses import ChoiceStream, detokenized
+
+GENERATION_SERVICE = "slimserve.v1.Generation"
+HEALTH_TIMEOUT_S = 3.0
+WATCH_PERIOD_S = 5.0
+_SERVING = health_pb2.HealthCheckResponse
+
+
+def add_slimserve_grpc_servicers(servicer: Any, server: grpc.Server) -> None:
+    """What `grpc_options.grpc_servicer_functions` names:
+    `app.serve.grpc_servicer.add_slimserve_grpc_servicers`.
+
+    Serve's proxy calls it with a placeholder servicer and routes every method it registers
+    to the ingress deployment: slimserve.v1.Generation and grpc.health.v1.Health.
+    """
+    generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+
+
+class GrpcRequestError(Exception):
+    """Raised after the gRPC context carries the status code the caller should get."""
+
+
+class GrpcIngress:
+    """gRPC methods of the Ingress deployment (mixed into app.serve.ingress.Ingress)."""
+
+    # --- slimserve.v1.Generation ------------------------------------------------------
+    async def Generate(
+        self, request: pb.GenerateRequest, grpc_context: RayServegRPCContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        stream: ChoiceStream | None = None
+        try:
+            rid, stream, counter = await self._grpc_start(request, grpc_context)
+            end = time.monotonic() + self.args.request_timeout_s
+            while (delta := await _next(stream, end)) is not None:
+                message = stream_message(delta, rid)
+                if counter.add(delta):
+                    message.usage.CopyFrom(counter.usage())
+                yield message
+        except Exception as e:  # noqa: BLE001 - every failure becomes a status code
+            # A streaming error's trailers cannot reach the client through Serve's proxy
+            # (only code and details do), so the retry delay is in the details too.
+            raise self._grpc_fail(grpc_context, grpc_error(e, self.args.retry_after_s)) from e
+        finally:
+            if stream is not None:
+                stream.close()  # cancelled or failed: the engines abort, blocks are freed
+
+    async def Complete(
+        self, request: pb.GenerateRequest, grpc_context: RayServegRPCContext
+    ) -> pb.CompleteResponse:
+        try:
+            rid, stream, counter = await self._grpc_start(request, grpc_context)
+            per_choice = await stream.collect(timeout_s=self.args.request_timeout_s)
+            return complete_message(rid, self.model_name, per_choice, counter)
+        except Exception as e:  # noqa: BLE001
+            return self._grpc_unary_fail(grpc_context, e, pb.CompleteResponse())
+
+    async def Tokenize(
+        self, request: pb.TokenizeRequest, grpc_context: RayServegRPCContext
+    ) -> pb.TokenizeResponse:
+        try:
+            self._grpc_tenant(grpc_context)
+            self._grpc_model(request.model)
+            info = await self._describe()
+            kind = request.WhichOneof("input")
+            if kind == "chat":
+                ids = self.tokenizer.encode_chat(conversation(request.chat))
+            elif kind == "text":
+                ids = self.tokenizer.encode(request.text)
+            else:
+                raise APIError(400, "input: set exactly one of text or chat")
+            return pb.TokenizeResponse(token_ids=ids, max_model_len=info["max_model_len"])
+        except Exception as e:  # noqa: BLE001
+            return self._grpc_unary_fail(grpc_context, e, pb.TokenizeResponse())
+
+    async def Detokenize(
+        self, request: pb.DetokenizeRequest, grpc_context: RayServegRPCContext
+    ) -> pb.DetokenizeResponse:
+        try:
+            self._grpc_tenant(grpc_context)
+            self._grpc_model(request.model)
+            vocab = (await self._describe())["vocab_size"]
+            ids = list(request.token_ids)
+            if any(t >= vocab for t in ids):
+                raise APIError(400, f"token_ids: every id must be in [0, {vocab})")
+            text = self.tokenizer.decode(ids, skip_special_tokens=not request.keep_special_tokens)
+            return pb.DetokenizeResponse(text=text)
+        except Exception as e:  # noqa: BLE001
+            return self._grpc_unary_fail(grpc_context, e, pb.DetokenizeResponse())
+
+    async def ListModels(
+        self, request: pb.ListModelsRequest, grpc_context: RayServegRPCContext
+    ) -> pb.ListModelsResponse:
+        try:
+            self._grpc_tenant(grpc_context)
+            info = await self._describe()
+            model = pb.Model(
+                id=self.model_name,
+                max_model_len=info["max_model_len"],
+                vocab_size=info["vocab_size"],
+                kv_cache_dtype=self.args.engine.kv_cache_dtype,
+            )
+            return pb.ListModelsResponse(models=[model])
+        except Exception as e:  # noqa: BLE001
+            return self._grpc_unary_fail(grpc_context, e, pb.ListModelsResponse())
+
+    async def Health(
+        self, request: pb.HealthRequest, grpc_context: RayServegRPCContext
+    ) -> pb.HealthResponse:
+        stats = await self._grpc_replica_stats()
+        if stats is None:
+            return pb.HealthResponse(status=pb.HealthResponse.STATUS_NOT_SERVING)
+        return pb.HealthResponse(
+            status=pb.HealthResponse.STATUS_SERVING,
+            kv_blocks_free=int(stats["kv_blocks_free"]),
+            kv_blocks_total=int(stats["kv_blocks_total"]),
+            num_running=int(stats["num_running"]),
+            num_waiting=int(stats["num_waiting"]),
+        )
+
+    # --- grpc.health.v1.Health ----------------------------------------------------------
+    async def Check(
+        self, request: health_pb2.HealthCheckRequest, grpc_context: RayServegRPCContext
+    ) -> health_pb2.HealthCheckResponse:
+        if request.service not in ("", GENERATION_SERVICE):
+            error = GrpcError(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
+            self._grpc_fail(grpc_context, error)
+            return _SERVING()
+        return _SERVING(status=await self._grpc_serving_status())
+
+    async def Watch(
+        self, request: health_pb2.HealthCheckRequest, grpc_context: RayServegRPCContext
+    ) -> AsyncIterator[health_pb2.HealthCheckResponse]:
+        if request.service not in ("", GENERATION_SERVICE):
+            yield _SERVING(status=_SERVING.SERVICE_UNKNOWN)
+            return
+        last = None
+        while True:  # until the client goes away (its cancel ends this generator)
+            status = await self._grpc_serving_status()
+            if status != last:
+                yield _SERVING(status=status)
+                last = status
+            await asyncio.sleep(WATCH_PERIOD_S)
+
+    # --- shared -------------------------------------------------------------------------
+    async def _grpc_start(
+        self, request: pb.GenerateRequest, ctx: RayServegRPCContext
+    ) -> tuple[str, ChoiceStream, UsageCounter]:
+        """Validate and start one request's choices (as the HTTP route does)."""
+        salt = self._grpc_tenant(ctx)
+        self._grpc_model(request.model)
+        body = http_body(request, self.model_name)
+        rid = request_id(request, "grpc-" + uuid.uuid4().hex)
+        info = await self._describe()
+        prompt = self._prompt(body, info)
+        params = body.to_params()
+        metadata = SimpleNamespace(headers=dict(ctx.invocation_metadata()))  # routing hints
+        eos = frozenset(info["eos_token_ids"])
+        choices = [
+            detokenized(
+                self._choice(self._generate_request(rid, i, prompt, params, salt, info, metadata)),
+                self.tokenizer,
+                params,
+                eos,
+            )
+            for i in range(params.n)
+        ]
+        return rid, ChoiceStream(choices), UsageCounter(len(prompt), params.n)
+
+    def _grpc_model(self, model: str) -> None:
+        if model and model != self.model_name:
+            raise APIError(
+                404, f"model {model!r} does not exist; this server serves {self.model_name!r}"
+            )
+
+    def _grpc_tenant(self, ctx: RayServegRPCContext) -> str | None:
+        """The caller's cache salt; UNAUTHENTICATED when a key is required and not known."""
+        metadata = dict(ctx.invocation_metadata())
+        key = metadata.get("authorization", "").removeprefix("Bearer ").strip()
+        key = key or metadata.get("x-api-key", "").strip()
+        salts = self.args.api_key_cache_salts
+        if key in salts:
+            return salts[key]
+        if self.args.grpc_require_api_key:
+            why = "is missing" if not key else "is not a known key"
+            raise APIError(401, f"the API key {why}: send metadata 'authorization: Bearer <key>'")
+        header = self.args.cache_salt_header
+        return metadata.get(header.lower()) if header else None
+
+    def _grpc_fail(self, ctx: RayServegRPCContext, error: GrpcError) -> GrpcRequestError:
+        ctx.set_code(error.code)
+        ctx.set_details(error.message)
+        if error.trailers:
+            ctx.set_trailing_metadata(list(error.trailers))
+        return GrpcRequestError(error.message)
+
+    def _grpc_unary_fail(self, ctx: RayServegRPCContext, e: Exception, empty):
+        """Unary errors return a placeholder with the code set, so trailers reach the client."""
+        self._grpc_fail(ctx, grpc_error(e, self.args.retry_after_s))
+        return empty
+
+    async def _grpc_replica_stats(self) -> dict[str, Any] | None:
+        """The generating replica's stats if every engine deployment answers in time."""
+        handles = [h for h in (self.prefill, self.decode, self.engine) if h is not None]
+        try:
+            results = await asyncio.wait_for(
+                asyncio.gather(*(h.stats.remote() for h in handles)), HEALTH_TIMEOUT_S
+            )
+        except Exception:  # noqa: BLE001 - any failure means not serving
+            return None
+        return results[-1]
+
+    async def _grpc_serving_status(self) -> int:
+        ok = await self._grpc_replica_stats() is not None
+        return _SERVING.SERVING if ok else _SERVING.NOT_SERVING
+
+
+async def _next(stream: ChoiceStream, end: float):
+    remaining = end - time.monotonic()
+    if remaining <= 0:
+        raise TimeoutError("the request ran past the server's request_timeout_s")
+    try:
+        return await asyncio.wait_for(stream.next(), remaining)
+    except asyncio.TimeoutError:
+        raise TimeoutError("the request ran past the server's request_timeout_s") from None

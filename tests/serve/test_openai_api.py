@@ -1,0 +1,158 @@
+"""The OpenAI API end to end: the official client against `serve.run` on loopback."""
+
+import httpx
+import openai
+import pytest
+
+from app import LLM, SamplingParams
+from serve.apps import running_app, tiny_serve_args
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+PROMPT = "the quick brown fox jumps over the lazy dog " * 3
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_model):
+    return LLM(tiny_model, dtype="float32", device="cpu", kv_cache_dtype="fp8_e4m3")
+
+
+@pytest.fixture(scope="module")
+def url(ray_session, tiny_model):
+    with running_app(ray_session, tiny_serve_args(tiny_model, engine={"dtype": "float32"})) as u:
+        yield u
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def greedy(offline, max_tokens=12, **kw):
+    return SamplingParams(temperature=0, max_tokens=max_tokens, **kw)
+
+
+def test_completion_matches_offline_llm(client, offline):
+    want = offline.generate([PROMPT], greedy(offline))[0]
+    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0)
+    assert r.choices[0].text == want.text
+    assert r.choices[0].finish_reason == want.finish_reason
+    assert r.usage.prompt_tokens == len(want.prompt_token_ids)
+    assert r.usage.completion_tokens == len(want.token_ids)
+    ids = offline.tokenizer.encode(PROMPT)
+    by_ids = client.completions.create(model="tiny", prompt=ids, max_tokens=12, temperature=0)
+    assert by_ids.choices[0].text == want.text
+
+
+def test_streaming_completion_equals_non_streaming(client, offline):
+    want = offline.generate([PROMPT], greedy(offline, 20))[0]
+    stream = client.completions.create(
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=20,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == want.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 20
+    assert sum(1 for c in chunks if c.choices) > 1  # streamed, not one blob
+
+
+def test_chat_streaming_and_not_match_offline(client, offline):
+    messages = [{"role": "user", "content": "hello world"}]
+    want = offline.chat(messages, greedy(offline, 10))[0]
+    r = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=10, temperature=0
+    )
+    assert r.choices[0].message.content == want.text
+    assert r.choices[0].message.role == "assistant"
+    stream = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=10, temperature=0, stream=True
+    )
+    chunks = [c for c in stream if c.choices]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.text
+
+
+def test_stop_string_and_max_tokens(client, offline):
+    full = offline.generate([PROMPT], greedy(offline, 16))[0].text
+    stop = full[4:7]
+    want = full[: full.find(stop)]
+    r = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=16, temperature=0, stop=[stop]
+    )
+    assert r.choices[0].text == want and r.choices[0].finish_reason == "stop"
+    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3, temperature=0)
+    assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
+
+
+def test_n_and_seed_are_reproducible(client):
+    kw = dict(model="tiny", prompt=PROMPT, max_tokens=8, temperature=1.0, n=3, seed=1234)
+    a = client.completions.create(**kw)
+    b = client.completions.create(**kw)
+    assert [c.index for c in a.choices] == [0, 1, 2]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert len({c.text for c in a.choices}) > 1  # each choice is its own sample
+    assert a.usage.completion_tokens == 24
+    c = client.completions.create(**{**kw, "seed": 99})
+    assert [x.text for x in c.choices] != [x.text for x in a.choices]
+
+
+def test_models_and_health(url, client):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert httpx.get(url + "/health").status_code == 200
+
+
+BAD = [
+    (b"{not json", 400, "JSON"),
+    (b'{"model": "tiny", "prompt": "\xff\xfe"}', 400, "UTF-8"),
+    (b"[1, 2]", 400, "object"),
+    (b'{"model": "tiny"}', 400, "prompt"),
+    (b'{"model": "tiny", "prompt": "hi", "max_tokens": "5"}', 400, "max_tokens"),
+    (b'{"model": "tiny", "prompt": "hi", "temperature": true}', 400, "temperature"),
+    (b'{"model": "tiny", "prompt": "hi", "temperature": 7}', 400, "temperature"),
+    (b'{"model": "tiny", "prompt": "hi", "top_p": 0}', 400, "top_p"),
+    (b'{"model": "tiny", "prompt": "hi", "n": 0}', 400, "n"),
+    (b'{"model": "tiny", "prompt": "hi", "max_tokens": 0}', 400, "max_tokens"),
+    (b'{"model": "tiny", "prompt": ""}', 400, "empty"),
+    (b'{"model": "tiny", "prompt": [1, 99999]}', 400, "token ids"),
+    (b'{"model": "tiny", "prompt": "hi", "cache_salt": "x"}', 400, "operator"),
+    (b'{"model": "gpt-4", "prompt": "hi"}', 404, "does not exist"),
+]
+
+
+@pytest.mark.parametrize("body,status,words", BAD)
+def test_malformed_requests_get_openai_errors(url, body, status, words):
+    r = httpx.post(
+        url + "/v1/completions", content=body, headers={"content-type": "application/json"}
+    )
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert words.lower() in err["message"].lower() and err["type"]
+
+
+def test_over_long_prompt_and_server_still_healthy(client, offline):
+    with pytest.raises(openai.BadRequestError, match="at most 400"):
+        client.completions.create(
+            model="tiny", prompt=[3 + i % 300 for i in range(450)], max_tokens=2
+        )
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="tiny", messages=[], max_tokens=2)
+    test_completion_matches_offline_llm(client, offline)  # nothing leaked or wedged
+
+
+def test_cache_salt_comes_from_the_api_key(url, client):
+    prompt = "tenant isolation keeps every prefix apart " * 3
+
+    def cached(key: str) -> int:
+        c = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
+        r = c.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0)
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    assert cached("key-tenant-a") == 0
+    assert cached("key-tenant-b") == 0  # same prompt, other tenant: no hit anywhere
+    assert cached("key-tenant-a") > 0
