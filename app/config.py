@@ -80,7 +80,7 @@ class ModelConfig:
             rope_scaling=hf.get("rope_scaling") or (hf.get("rope_parameters") or None),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=bool(hf.get("attention_bias", arch == "Qwen2ForCausalLM")),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch == "Qwen3ForCausalLM" or bool(hf.get("use_qk_norm", False)),  # GLM
             eos_token_ids=eos_ids,
             bos_token_id=hf.get("bos_token_id"),
             quantization_config=hf.get("quantization_config"),

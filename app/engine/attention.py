@@ -50,7 +50,11 @@ class PagedAttention:
         self.ops, self.cache, self.meta, self.scale = ops, cache, meta, scale
 
     def __call__(self, layer: int, q, k, v) -> torch.Tensor:
+        """v None (MLA): the cache has one plane and V reads it too (vc is kc), so the
+        write below stores k twice into the same slots; the output is [T, Hq, D of k]."""
         kc, vc, ks, vs = self.cache.layer(layer)
+        assert (v is None) == self.cache.spec.use_mla, "v=None exactly when the cache is MLA"
+        v = k if v is None else v
         m = self.meta
         self.ops.kv_write(k, v, kc, vc, ks, vs, m.slot_mapping)
         if m.is_decode:

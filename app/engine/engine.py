@@ -64,12 +64,15 @@ class Engine:
         apply_weight_quant(self.model, self.model_config, self.config.weight_quant)
 
     def _kv_spec(self, cfg: ModelConfig) -> KVCacheSpec:
+        block_size, dtype = self.config.cache.block_size, self.config.kv_dtype()
+        if hasattr(self.model, "kv_cache_spec"):  # the model declares its cache (e.g. MLA)
+            return self.model.kv_cache_spec(block_size, dtype)
         return KVCacheSpec(
             num_layers=cfg.num_hidden_layers,
             num_kv_heads=cfg.num_key_value_heads,
             head_dim=cfg.head_dim,
-            block_size=self.config.cache.block_size,
-            dtype=self.config.kv_dtype(),
+            block_size=block_size,
+            dtype=dtype,
         )
 
     def _num_blocks(self) -> int:

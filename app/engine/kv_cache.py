@@ -1,7 +1,11 @@
 """The paged KV cache tensors and how many blocks a byte budget buys.
 
-Layout (kernels/README.md): kv [L, 2, num_blocks, block_size, Hkv, D] in the cache dtype,
-and for FP8 the per-token-head scale exponents [L, 2, num_blocks, block_size, Hkv] int8.
+Layout (kernels/README.md): kv [L, P, num_blocks, block_size, Hkv, D] in the cache dtype,
+and for FP8 the per-token-head scale exponents [L, P, num_blocks, block_size, Hkv] int8.
+P = 2 planes (K and V) for MHA/GQA; P = 1 for MLA, whose one "head" per token is the
+compressed latent + RoPE key (D = kv_lora_rank + qk_rope_head_dim) and whose V is a view of
+that same plane (attention reads the latent as both key and value; the absorbed-weights
+formulation, app/models/mla.py).
 """
 
 from __future__ import annotations
@@ -22,14 +26,19 @@ class KVCacheSpec:
     head_dim: int
     block_size: int
     dtype: torch.dtype
+    use_mla: bool = False  # one plane (latent + rope key); V aliases it
 
     @property
     def is_fp8(self) -> bool:
         return self.dtype == FP8
 
+    @property
+    def num_planes(self) -> int:
+        return 1 if self.use_mla else 2
+
     def bytes_per_token(self) -> int:
         per_head = self.head_dim * self.dtype.itemsize + (1 if self.is_fp8 else 0)
-        return self.num_layers * 2 * self.num_kv_heads * per_head
+        return self.num_layers * self.num_planes * self.num_kv_heads * per_head
 
     def bytes_per_block(self) -> int:
         return self.bytes_per_token() * self.block_size
@@ -46,7 +55,7 @@ class KVCacheSpec:
         """Names everything a reader of exported KV must agree on."""
         return (
             f"{LAYOUT_VERSION}:L{self.num_layers}:H{self.num_kv_heads}:D{self.head_dim}"
-            f":B{self.block_size}:tp1"
+            f":B{self.block_size}:tp1" + (":mla" if self.use_mla else "")
         )
 
 
@@ -56,24 +65,22 @@ class KVCache:
             raise ValueError("KV cache budget is smaller than one block")
         self.spec = spec
         self.num_blocks = num_blocks
-        shape = (spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        shape = (spec.num_layers, spec.num_planes, num_blocks, spec.block_size)
+        shape += (spec.num_kv_heads, spec.head_dim)
         self.kv = torch.zeros(shape, dtype=spec.dtype, device=device)
         self.scales = (
             torch.zeros(shape[:-1], dtype=torch.int8, device=device) if spec.is_fp8 else None
         )
 
     def layer(self, i: int):
-        """(k_cache, v_cache, k_scale, v_scale) views for layer i."""
-        s = self.scales
-        return (
-            self.kv[i, 0],
-            self.kv[i, 1],
-            s[i, 0] if s is not None else None,
-            (s[i, 1] if s is not None else None),
-        )
+        """(k_cache, v_cache, k_scale, v_scale) views for layer i (MLA: v is k's plane)."""
+        k, ks = self.kv[i, 0], None if self.scales is None else self.scales[i, 0]
+        if self.spec.use_mla:
+            return k, k, ks, ks
+        return k, self.kv[i, 1], ks, None if self.scales is None else self.scales[i, 1]
 
     def read_tokens(self, block_ids: list[int], num_tokens: int):
-        """First num_tokens tokens of block_ids: kv [L,2,n,Hkv,D], scales [L,2,n,Hkv] or None."""
+        """First num_tokens tokens of block_ids: kv [L,P,n,Hkv,D], scales [L,P,n,Hkv] or None."""
         ids = torch.tensor(block_ids, dtype=torch.long, device=self.kv.device)
         kv = self.kv[:, :, ids].flatten(2, 3)[:, :, :num_tokens]
         scales = None
@@ -82,7 +89,7 @@ class KVCache:
         return kv.contiguous(), None if scales is None else scales.contiguous()
 
     def write_tokens(self, block_ids: list[int], kv: torch.Tensor, scales) -> None:
-        """Inverse of read_tokens: kv [L,2,n,Hkv,D] into the first n slots of block_ids."""
+        """Inverse of read_tokens: kv [L,P,n,Hkv,D] into the first n slots of block_ids."""
         n, bs = kv.shape[2], self.spec.block_size
         for j, block in enumerate(block_ids):
             lo, hi = j * bs, min((j + 1) * bs, n)

@@ -28,7 +28,8 @@ class BatchInputs:
 class ModelRunner:
     def __init__(self, model: nn.Module, cache: KVCache, ops, head_dim: int, device):
         self.model, self.cache, self.ops, self.device = model, cache, ops, device
-        self.scale = head_dim**-0.5
+        # A model whose softmax scale is not head_dim**-0.5 (MLA, YaRN mscale) declares it.
+        self.scale = getattr(model, "attn_scale", None) or head_dim**-0.5
         self.block_size = cache.spec.block_size
 
     def prepare(self, batch: list[tuple[Sequence, int]], all_rows: bool = False) -> BatchInputs:

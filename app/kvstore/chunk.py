@@ -6,8 +6,9 @@ Wire format (one buffer, no pickle)::
 
 The header is a msgpack map (format version, model fingerprint, kv dtype, layout, token ids,
 start position, parent key, key, payload length, tag). The payload for ``n`` tokens is
-K/V ``[L, 2, n, Hkv, D]`` in the cache dtype followed, for FP8 only, by the scale exponents
-``[L, 2, n, Hkv]`` int8, raw and contiguous.
+K/V ``[L, P, n, Hkv, D]`` in the cache dtype followed, for FP8 only, by the scale exponents
+``[L, P, n, Hkv]`` int8, raw and contiguous. P = 2 (K and V), or 1 for an MLA layout
+(``...:mla``: one plane holding the latent + RoPE key, Hkv = 1).
 
 ``tag = xxh3_64(canonical header without tag || payload)``: the header is re-encoded
 canonically (fixed key order) on read, so any changed field, or any flipped payload byte,
@@ -87,20 +88,27 @@ class KVLayout:
     block_size: int
     tp_rank: int = 0
     tp_size: int = 1
+    use_mla: bool = False  # one plane (MLA latent + rope key) instead of K and V
+
+    @property
+    def num_planes(self) -> int:
+        return 1 if self.use_mla else 2
 
     def __str__(self) -> str:
         # The engine's KVCacheSpec.layout spelling; tp rank only when sharded.
         tp = f"tp{self.tp_size}" if self.tp_size == 1 else f"tp{self.tp_rank}/{self.tp_size}"
         return (
             f"{LAYOUT_VERSION}:L{self.num_layers}:H{self.num_kv_heads}:D{self.head_dim}"
-            f":B{self.block_size}:{tp}"
+            f":B{self.block_size}:{tp}" + (":mla" if self.use_mla else "")
         )
 
     @classmethod
     def parse(cls, text: str) -> KVLayout:
         """Inverse of ``str``; also reads ``tp{rank}/{size}`` and ``tp{size}``."""
         try:
-            version, layers, heads, dim, block, tp = text.split(":")
+            parts = text.split(":")
+            use_mla = len(parts) == 7 and parts[-1] == "mla"
+            version, layers, heads, dim, block, tp = parts[:-1] if use_mla else parts
             if version != LAYOUT_VERSION:
                 raise ValueError(f"layout version {version!r}, this build reads {LAYOUT_VERSION!r}")
             rank, _, size = tp.removeprefix("tp").rpartition("/")
@@ -115,6 +123,7 @@ class KVLayout:
                 int(block[1:]),
                 int(rank or 0),
                 int(size),
+                use_mla,
             )
         except ValueError as e:
             raise ChunkMismatchError(f"unreadable KV layout {text!r}: {e}") from None
@@ -149,8 +158,9 @@ class ChunkMeta:
         """(kv shape, scales shape or None) of this chunk's payload."""
         lay = KVLayout.parse(self.layout)
         n = self.num_tokens
-        kv = (lay.num_layers, 2, n, lay.num_kv_heads, lay.head_dim)
-        scales = (lay.num_layers, 2, n, lay.num_kv_heads) if self.is_fp8 else None
+        p = lay.num_planes
+        kv = (lay.num_layers, p, n, lay.num_kv_heads, lay.head_dim)
+        scales = (lay.num_layers, p, n, lay.num_kv_heads) if self.is_fp8 else None
         return kv, scales
 
     def payload_len(self) -> int:
@@ -181,7 +191,7 @@ class KVChunk:
     def from_tensors(
         cls, meta: ChunkMeta, kv: torch.Tensor, scales: torch.Tensor | None = None
     ) -> KVChunk:
-        """kv: [L, 2, n, Hkv, D] in meta.kv_dtype; scales: [L, 2, n, Hkv] int8 (FP8 only)."""
+        """kv: [L, P, n, Hkv, D] in meta.kv_dtype; scales: [L, P, n, Hkv] int8 (FP8 only)."""
         kv_shape, scale_shape = meta.shapes()
         if tuple(kv.shape) != kv_shape or kv.dtype != KV_DTYPES[meta.kv_dtype]:
             raise ValueError(
@@ -205,7 +215,7 @@ class KVChunk:
         return cls(meta, payload, _compute_tag(_canonical_header(meta, len(payload)), payload))
 
     def to_tensors(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(kv [L, 2, n, Hkv, D], scales [L, 2, n, Hkv] | None), CPU views of the payload.
+        """(kv [L, P, n, Hkv, D], scales [L, P, n, Hkv] | None), CPU views of the payload.
 
         The views may share read-only memory with the received buffer: copy before writing.
         """

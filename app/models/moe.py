@@ -1,0 +1,215 @@
+"""Mixture-of-experts execution shared by GLM-4.5/4.6 and DeepSeek-V3 / Kimi K2.
+
+Routing (both families, "noaux_tc"): sigmoid scores per expert; a per-expert correction bias
+is added for *choosing* experts only; experts are split into `n_group` groups, each group is
+scored by the sum of its two best biased scores, the best `topk_group` groups stay eligible,
+and the top `num_experts_per_tok` eligible experts are chosen. Their unbiased scores are the
+weights, optionally renormalized to sum to 1, times `routed_scaling_factor`.
+
+Execution: the (token, expert) pairs are sorted by expert, each active expert runs one GEMM
+over its contiguous slice of gathered tokens, and the weighted outputs are scattered back.
+Experts are ordinary `GatedMLP` modules, so checkpoint names (`experts.{e}.gate_proj`) load
+through `packed_modules_mapping` and INT4 swaps them by module replacement (`app.quant`:
+`Int4Linear`, compressed-tensors `pack-quantized` experts as in Kimi K2's INT4 release).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from app.config import ModelConfig
+from app.models.layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    RMSNorm,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from app.models.parallel import SINGLE, TPContext
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)); the intermediate dim is split across ranks."""
+
+    def __init__(self, hidden: int, intermediate: int, tp: TPContext = SINGLE):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate] * 2, tp=tp)
+        self.down_proj = RowParallelLinear(intermediate, hidden, tp=tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+def select_experts(
+    logits: torch.Tensor,  # [T, E] float32 router logits
+    bias: torch.Tensor,  # [E] e_score_correction_bias
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (weights [T, top_k] float32, expert ids [T, top_k] int64); see the module doc."""
+    t, e = logits.shape
+    scores = logits.sigmoid()
+    biased = scores + bias
+    group_scores = biased.view(t, n_group, e // n_group).topk(2, dim=-1)[0].sum(-1)  # [T, G]
+    groups = group_scores.topk(topk_group, dim=-1, sorted=False)[1]
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, groups, True)
+    keep = keep.unsqueeze(-1).expand(t, n_group, e // n_group).reshape(t, e)
+    ids = biased.masked_fill(~keep, float("-inf")).topk(top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * scaling, ids
+
+
+class TopKRouter(nn.Module):
+    """`mlp.gate`: float32 router weight [E, hidden] and correction bias [E] (never INT4)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        raw = cfg.raw
+        if raw.get("scoring_func", "sigmoid") != "sigmoid":
+            raise ValueError(f"MoE scoring_func {raw['scoring_func']!r}: only sigmoid")
+        if raw.get("topk_method", "noaux_tc") != "noaux_tc":
+            raise ValueError(f"MoE topk_method {raw['topk_method']!r}: only noaux_tc")
+        self.num_experts = raw["n_routed_experts"]
+        self.top_k = raw["num_experts_per_tok"]
+        self.n_group = raw.get("n_group") or 1
+        self.topk_group = raw.get("topk_group") or 1
+        self.norm_topk_prob = bool(raw.get("norm_topk_prob", True))
+        self.scaling = float(raw.get("routed_scaling_factor", 1.0))
+        if self.num_experts % self.n_group or self.num_experts // self.n_group < 2:
+            raise ValueError("n_routed_experts must split into n_group groups of >= 2 experts")
+        e, h = self.num_experts, cfg.hidden_size
+        self.weight = _fp32_param(e, h)
+        self.e_score_correction_bias = _fp32_param(e)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x.float(), self.weight)  # [T, E]
+        return select_experts(
+            logits,
+            self.e_score_correction_bias,
+            self.top_k,
+            self.n_group,
+            self.topk_group,
+            self.norm_topk_prob,
+            self.scaling,
+        )
+
+
+def _fp32_param(*shape: int) -> nn.Parameter:
+    p = nn.Parameter(torch.zeros(*shape, dtype=torch.float32), requires_grad=False)
+    p.weight_loader = _copy_fp32
+    return p
+
+
+def _copy_fp32(param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"checkpoint tensor shape {tuple(loaded.shape)} != {tuple(param.shape)}")
+    param.data.copy_(loaded.float())
+
+
+class MoE(nn.Module):
+    """Routed experts + shared experts: `mlp.experts.{e}`, `mlp.gate`, `mlp.shared_experts`.
+
+    Under tensor parallelism every expert's intermediate dim is split across ranks and each
+    down_proj all-reduces (ranks route identically, so they issue the same collectives).
+    """
+
+    def __init__(self, cfg: ModelConfig, tp: TPContext = SINGLE):
+        super().__init__()
+        raw, h = cfg.raw, cfg.hidden_size
+        inter = raw["moe_intermediate_size"]
+        self.gate = TopKRouter(cfg)
+        self.experts = nn.ModuleList(GatedMLP(h, inter, tp) for _ in range(self.gate.num_experts))
+        shared = raw.get("n_shared_experts") or 0
+        self.shared_experts = GatedMLP(h, inter * shared, tp) if shared else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, hidden]
+        weights, ids = self.gate(x)  # [T, k] float32, [T, k] int64
+        out = self.routed(x, weights, ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+    def routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        k = ids.shape[1]
+        flat = ids.flatten()  # [T*k]: row r is token r // k's (r % k)-th expert
+        order = flat.argsort(stable=True)  # rows grouped by expert
+        token = order // k  # [T*k] source token of each grouped row
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()  # one host sync
+        parts = x.index_select(0, token).split(counts)  # per expert: [n_e, hidden]
+        ys = torch.cat([self.experts[e](p) if len(p) else p for e, p in enumerate(parts)])
+        ys = (ys.float() * weights.flatten()[order].unsqueeze(1)).to(x.dtype)
+        return torch.zeros_like(x).index_add_(0, token, ys)
+
+
+class MoEDecoderLayer(nn.Module):
+    """Pre-norm block; the first `first_k_dense_replace` layers have a dense MLP."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TPContext, attention: nn.Module):
+        super().__init__()
+        self.self_attn = attention
+        if layer >= (cfg.raw.get("first_k_dense_replace") or 0):
+            self.mlp = MoE(cfg, tp)
+        else:
+            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, tp)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions, x, attn):
+        x = x + self.self_attn(positions, self.input_layernorm(x), attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class MoEModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPContext, make_attention):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(
+            MoEDecoderLayer(cfg, i, tp, make_attention(i)) for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, ids, positions, attn):
+        x = self.embed_tokens(ids)
+        for layer in self.layers:
+            x = layer(positions, x, attn)
+        return self.norm(x)
+
+
+class MoECausalLM(nn.Module):
+    """Base of the MoE families: subclasses give `make_attention(cfg, layer, tp)`.
+
+    Multi-token-prediction layers some checkpoints carry (`model.layers.{L}`, L =
+    num_hidden_layers) are not built; the loader skips their tensors with a warning.
+    """
+
+    packed_modules_mapping = {
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, cfg: ModelConfig, tp: TPContext = SINGLE):
+        super().__init__()
+        self.config = cfg
+        self.model = MoEModel(cfg, tp, lambda i: self.make_attention(cfg, i, tp))
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def make_attention(self, cfg: ModelConfig, layer: int, tp: TPContext) -> nn.Module:
+        raise NotImplementedError
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
+        """ids, positions: [T] -> hidden states [T, hidden]."""
+        return self.model(ids, positions, attn)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, hidden] -> logits [N, vocab] float32."""
+        return self.lm_head(hidden)
