@@ -15,7 +15,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="checkpoint folder (default: embedded model)")
     p.add_argument("--text", default=None, help="evaluation text (default: model's held-out)")
     p.add_argument("--kv-cache-dtype", default="auto", help="auto | bf16 | fp8_e4m3 ...")
-    p.add_argument("--weight-quant", default=None, choices=[None, "int4"])
+    p.add_argument("--weight-quant", default=None, choices=["int4"], help="default: none")
     p.add_argument("--matrix", action="store_true", help="bf16, fp8 KV, int4, int4 + fp8 KV")
     p.add_argument("--dtype", default="auto", help="activation dtype of every run")
     p.add_argument("--device", default="auto")
