@@ -72,6 +72,7 @@ class Ingress(GrpcIngress):  # gRPC methods: app/serve/grpc_servicer.py
         self.model_name = self.args.served_model_name or os.path.basename(model.rstrip("/"))
         self.tokenizer = Tokenizer.from_path(model)
         self._info: dict[str, Any] | None = None
+        self._placement: dict[str, dict[str, Any]] = {}  # request id -> where it ran (debug)
 
     # --- routes -------------------------------------------------------------------
     @api.get("/health")
@@ -120,6 +121,9 @@ class Ingress(GrpcIngress):  # gRPC methods: app/serve/grpc_servicer.py
                 return StreamingResponse(gen, media_type="text/event-stream")
             deltas = await stream.collect(timeout_s=self.args.request_timeout_s)
             out = final_body(kind, rid, self.model_name, len(prompt), deltas, self.tokenizer)
+            placement = [self._placement.pop(f"{rid}-{i}", None) for i in range(params.n)]
+            if self.args.allow_routing_hints:  # operator/test view of where choices ran
+                out["slimserve"] = {"choices": placement}
             return JSONResponse(out)
         except APIError as e:
             return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
@@ -227,6 +231,14 @@ class Ingress(GrpcIngress):  # gRPC methods: app/serve/grpc_servicer.py
         except asyncio.CancelledError:
             response.cancel()
             raise
+        if self.args.allow_routing_hints:
+            if len(self._placement) > 1024:  # streams never collect theirs: stay bounded
+                self._placement.pop(next(iter(self._placement)))
+            self._placement[gen.request_id] = {
+                "prefill_replica": result.replica,
+                "store_tokens": result.num_store_tokens,
+                "store_failures": result.store_failures,
+            }
         yield result.first
         if result.first.finish_reason in DONE_REASONS:
             return

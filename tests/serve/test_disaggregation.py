@@ -1,0 +1,194 @@
+"""Disaggregated serving: store hits across prefill replicas, corruption, replica death,
+client disconnects. Two prefill replicas, one decode replica, one store shard."""
+
+import time
+
+import httpx
+import numpy as np
+import pytest
+import ray
+from ray import serve
+
+from app import LLM, SamplingParams
+from app.kvstore.chunk import KVChunk
+from app.kvstore.store import KVStoreClient
+from app.kvstore.transfer import ChunkExpectation, fetch_verified
+from app.serve.messages import DecodeRequest, GenerateRequest, RoutingInfo
+from app.serve.replica import prompt_chunk_keys
+from serve.apps import running_app, tiny_serve_args
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint_factory):
+    # Wide enough that computing a 380-token prompt costs more than fetching its KV.
+    return checkpoint_factory("llama", hidden_size=256, intermediate_size=1024, num_hidden_layers=4)
+
+
+@pytest.fixture(scope="module")
+def offline(model):
+    return LLM(model, dtype="float32", device="cpu", kv_cache_dtype="fp8_e4m3")
+
+
+@pytest.fixture(scope="module")
+def url(ray_session, model):
+    args = tiny_serve_args(model, num_prefill_replicas=2, engine={"dtype": "float32"})
+    with running_app(ray_session, args) as u:
+        yield u
+
+
+@pytest.fixture(scope="module")
+def store(url):
+    return KVStoreClient.from_name("slimserve-kvstore", 1)
+
+
+@pytest.fixture(scope="module")
+def info(url):
+    return serve.get_deployment_handle("PrefillServer", "slimserve").describe.remote().result()
+
+
+def prompt_ids(seed: int, n: int = 380) -> list[int]:
+    rng = np.random.default_rng(seed)
+    return [int(t) for t in rng.integers(3, 300, n)]
+
+
+def complete(url, prompt, replica: int | None = None, stream=False, **extra):
+    headers = {} if replica is None else {"x-slimserve-prefill-replica": str(replica)}
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
+    if not stream:
+        r = httpx.post(url + "/v1/completions", json={**body, **extra}, headers=headers, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()
+    start = time.perf_counter()
+    with httpx.stream(
+        "POST", url + "/v1/completions", json={**body, "stream": True}, headers=headers
+    ) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                return time.perf_counter() - start
+
+
+def want_text(offline, prompt) -> str:
+    return offline.generate([prompt], SamplingParams(temperature=0, max_tokens=MAX_TOKENS))[0].text
+
+
+def expectation(info) -> ChunkExpectation:
+    fingerprint, kv_dtype, layout = info["salt_base"]
+    return ChunkExpectation(fingerprint, layout, kv_dtype)
+
+
+def stats(store) -> dict:
+    return asyncio_run(store.stats())
+
+
+def asyncio_run(coro):
+    import asyncio
+
+    return asyncio.run(coro)
+
+
+def test_prefix_from_one_prefill_replica_is_a_store_hit_on_the_other(url, store, offline):
+    cold, hit = [], []
+    for seed in range(3):
+        prompt = prompt_ids(seed)
+        cold.append(complete(url, prompt, replica=0, stream=True))
+        before = stats(store)
+        hit.append(complete(url, prompt, replica=1, stream=True))
+        assert stats(store)["hits"] - before["hits"] == (len(prompt) - 1) // 32 == 11
+        a, b = complete(url, prompt, replica=0), complete(url, prompt, replica=1)
+        assert a["choices"][0]["text"] == b["choices"][0]["text"] == want_text(offline, prompt)
+        where = (a["slimserve"]["choices"][0], b["slimserve"]["choices"][0])
+        assert where[0]["prefill_replica"] != where[1]["prefill_replica"]
+        assert where[1]["store_tokens"] == 11 * 32
+    print(f"TTFT cold {sorted(cold)} store-hit {sorted(hit)}")
+    assert sorted(hit)[1] < sorted(cold)[1]  # medians
+
+
+def corrupt(store, key: bytes, how: str) -> None:
+    entry = asyncio_run(store.get(key))
+    buf = bytes(ray.get(entry.ref))
+    if how == "payload":
+        bad = bytearray(buf)
+        bad[-3] ^= 0x40
+    else:  # a header field rewritten, tag left alone
+        chunk = KVChunk.decode(buf)
+        header = chunk.header_dict() | {"start_pos": chunk.meta.start_pos + 1}
+        import msgpack
+
+        head = msgpack.packb(header, use_bin_type=True)
+        bad = b"SKVC" + len(head).to_bytes(4, "little") + head + bytes(chunk.payload)
+    asyncio_run(store.drop(key, "test"))
+    data = np.frombuffer(bytes(bad), dtype=np.uint8)
+    asyncio_run(store.put(key, data, entry.tag, list(entry.token_ids)))
+
+
+@pytest.mark.parametrize("how", ["payload", "header"])
+def test_corrupted_chunk_is_detected_counted_and_recomputed(url, store, info, offline, how):
+    prompt = prompt_ids({"payload": 10, "header": 11}[how])
+    complete(url, prompt, replica=0)  # publishes 11 chunks
+    keys = prompt_chunk_keys(
+        prompt, info["salt_base"], None, info["block_size"], info["chunk_tokens"]
+    )
+    corrupt(store, keys[4], how)
+    before = stats(store)["integrity_failures"]
+    r = complete(url, prompt, replica=1)
+    assert r["choices"][0]["text"] == want_text(offline, prompt)
+    assert stats(store)["integrity_failures"] == before + 1
+    where = r["slimserve"]["choices"][0]
+    assert where["store_failures"] == 1 and where["store_tokens"] == 4 * 32
+    # The bad chunk was dropped and replica 1 published the one it recomputed: healed.
+    healed = asyncio_run(store.match_prefix(keys))
+    got = asyncio_run(fetch_verified(store, healed, expectation(info), prompt))
+    assert not got.failures and len(got.chunks) == len(keys) == 11
+
+
+def test_decode_completes_after_the_prefill_replica_dies(url, store, offline):
+    prompt = prompt_ids(20, n=90)  # chunks of 32 + 32 + 26 (the last one travels uncached)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    gen = GenerateRequest("kill-test", prompt, params, routing=RoutingInfo(len(prompt)))
+    prefill = serve.get_deployment_handle("PrefillServer", "slimserve")
+    result = prefill.prefill.remote(gen).result()
+    assert len(result.chunks) == 3
+    victim = ray.get_actor(result.replica, namespace="serve")
+    ray.kill(victim, no_restart=True)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # wait until Ray knows it is gone
+        try:
+            ray.get(victim.__ray_ready__.remote(), timeout=2)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            break
+        time.sleep(0.2)
+    decode = serve.get_deployment_handle("DecodeServer", "slimserve").options(stream=True)
+    deltas = list(decode.generate.remote(DecodeRequest(gen, result, gen.routing)))
+    tokens = result.first.new_token_ids + [t for d in deltas for t in d.new_token_ids]
+    want = offline.generate([prompt], params)[0]
+    assert tokens == want.token_ids
+    assert deltas[0].num_cached_tokens == 80  # all whole blocks, the partial chunk's too
+
+
+def test_client_disconnect_frees_decode_blocks(url):
+    decode = serve.get_deployment_handle("DecodeServer", "slimserve")
+    body = {
+        "model": "tiny",
+        "prompt": prompt_ids(30, n=40),
+        "max_tokens": 400,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        seen = [line for line, _ in zip(lines, range(6)) if line.startswith("data: {")]
+        during = decode.stats.remote().result()
+    assert len(seen) >= 3 and during["num_running"] == 1
+    assert during["kv_blocks_free"] < during["kv_blocks_total"]
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        after = decode.stats.remote().result()
+        if after["num_running"] == 0 and after["kv_blocks_free"] == after["kv_blocks_total"]:
+            break
+        time.sleep(0.2)
+    assert after["num_running"] == 0 and after["num_waiting"] == 0
+    assert after["kv_blocks_free"] == after["kv_blocks_total"]  # no leaked blocks
+    assert httpx.get(url + "/health").status_code == 200
