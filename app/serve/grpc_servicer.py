@@ -22,6 +22,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import grpc
+from ray import serve
 from ray.serve.grpc_util import RayServegRPCContext
 
 from app.serve.grpc_convert import (
@@ -42,6 +43,7 @@ from app.serve.responses import ChoiceStream, detokenized
 
 GENERATION_SERVICE = "slimserve.v1.Generation"
 HEALTH_TIMEOUT_S = 3.0
+STATS_TIMEOUT_S = 1.0
 WATCH_PERIOD_S = 5.0
 _SERVING = health_pb2.HealthCheckResponse
 
@@ -147,15 +149,15 @@ class GrpcIngress:
     async def Health(
         self, request: pb.HealthRequest, grpc_context: RayServegRPCContext
     ) -> pb.HealthResponse:
-        stats = await self._grpc_replica_stats()
-        if stats is None:
+        if not await self._grpc_engines_running():
             return pb.HealthResponse(status=pb.HealthResponse.STATUS_NOT_SERVING)
+        stats = await self._grpc_replica_stats()  # best effort: a saturated replica may not answer
         return pb.HealthResponse(
             status=pb.HealthResponse.STATUS_SERVING,
-            kv_blocks_free=int(stats["kv_blocks_free"]),
-            kv_blocks_total=int(stats["kv_blocks_total"]),
-            num_running=int(stats["num_running"]),
-            num_waiting=int(stats["num_waiting"]),
+            kv_blocks_free=int(stats.get("kv_blocks_free", 0)),
+            kv_blocks_total=int(stats.get("kv_blocks_total", 0)),
+            num_running=int(stats.get("num_running", 0)),
+            num_waiting=int(stats.get("num_waiting", 0)),
         )
 
     # --- grpc.health.v1.Health ----------------------------------------------------------
@@ -239,20 +241,40 @@ class GrpcIngress:
         self._grpc_fail(ctx, grpc_error(e, self.args.retry_after_s))
         return empty
 
-    async def _grpc_replica_stats(self) -> dict[str, Any] | None:
-        """The generating replica's stats if every engine deployment answers in time."""
-        handles = [h for h in (self.prefill, self.decode, self.engine) if h is not None]
+    async def _grpc_engines_running(self) -> bool:
+        """Serve's own view: every engine deployment has a RUNNING replica.
+
+        Asked of the controller rather than of the replicas, so that a saturated replica
+        (whose request queue is full) still counts as healthy.
+        """
+        names = [h.deployment_name for h in (self.prefill, self.decode, self.engine) if h]
         try:
-            results = await asyncio.wait_for(
-                asyncio.gather(*(h.stats.remote() for h in handles)), HEALTH_TIMEOUT_S
-            )
-        except Exception:  # noqa: BLE001 - any failure means not serving
-            return None
-        return results[-1]
+            status = await asyncio.wait_for(asyncio.to_thread(serve.status), HEALTH_TIMEOUT_S)
+            app = status.applications[serve.get_replica_context().app_name]
+        except Exception:  # noqa: BLE001 - no answer means not serving
+            return False
+        for name in names:
+            deployment = app.deployments.get(name)
+            if deployment is None or not deployment.replica_states.get("RUNNING", 0):
+                return False
+        return True
+
+    async def _grpc_replica_stats(self) -> dict[str, Any]:
+        """The generating replica's engine stats, or {} if it does not answer in time."""
+        response = (self.decode or self.engine).stats.remote()
+        try:
+            return await asyncio.wait_for(_result(response), STATS_TIMEOUT_S)
+        except Exception:  # noqa: BLE001
+            response.cancel()
+            return {}
 
     async def _grpc_serving_status(self) -> int:
-        ok = await self._grpc_replica_stats() is not None
+        ok = await self._grpc_engines_running()
         return _SERVING.SERVING if ok else _SERVING.NOT_SERVING
+
+
+async def _result(response) -> Any:
+    return await response
 
 
 async def _next(stream: ChoiceStream, end: float):
