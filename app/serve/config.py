@@ -46,7 +46,7 @@ class ServeArgs(BaseModel):
     replica_num_gpus: float = Field(default=0.0, ge=0)
     # Backpressure: beyond these, requests get HTTP 429 with Retry-After.
     max_ongoing_requests: int = Field(default=32, ge=1)
-    max_queued_requests: int = Field(default=64, ge=0)
+    max_queued_requests: int = Field(default=64, ge=-1)  # -1: unbounded (Serve's rule)
     retry_after_s: int = Field(default=1, ge=1)
     # Shared KV store.
     store_capacity_bytes: int = Field(default=512 << 20, gt=0)
@@ -62,3 +62,9 @@ class ServeArgs(BaseModel):
     grpc_require_api_key: bool = False
     max_prompt_tokens: int | None = Field(default=None, gt=0)  # None: the model's context
     request_timeout_s: float = Field(default=300.0, gt=0)
+
+    @model_validator(mode="after")
+    def _queue_bound(self) -> ServeArgs:
+        if self.max_queued_requests == 0:
+            raise ValueError("max_queued_requests must be -1 (no limit) or positive")
+        return self
