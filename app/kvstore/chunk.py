@@ -228,19 +228,7 @@ class KVChunk:
         return kv, _view(self.payload[kv_bytes:], torch.int8).view(scale_shape)
 
     def header_dict(self) -> dict:
-        m = self.meta
-        return {
-            "version": FORMAT_VERSION,
-            "fingerprint": m.fingerprint,
-            "kv_dtype": m.kv_dtype,
-            "layout": m.layout,
-            "token_ids": list(m.token_ids),
-            "start_pos": m.start_pos,
-            "parent_key": m.parent_key,
-            "key": m.key,
-            "payload_len": len(self.payload),
-            "tag": self.tag,
-        }
+        return {**_header_values(self.meta, len(self.payload)), "tag": self.tag}
 
     def encode(self) -> bytes:
         header = msgpack.packb(self.header_dict(), use_bin_type=True)
@@ -320,8 +308,9 @@ def _parse(view: memoryview) -> tuple[ChunkMeta, memoryview, int]:
         raise ChunkIntegrityError(f"chunk truncated: header needs {end} bytes, have {len(view)}")
     try:
         h = msgpack.unpackb(view[_PREFIX.size : end], raw=False, strict_map_key=True)
-        if not isinstance(h, dict) or h.get("version") != FORMAT_VERSION:
-            raise ValueError(f"unsupported chunk format version {_get(h, 'version')!r}")
+        version = h.get("version") if isinstance(h, dict) else None
+        if version != FORMAT_VERSION:
+            raise ValueError(f"unsupported chunk format version {version!r}")
         meta = ChunkMeta(
             fingerprint=_typed(h, "fingerprint", str),
             kv_dtype=_typed(h, "kv_dtype", str),
@@ -350,19 +339,14 @@ def _parse(view: memoryview) -> tuple[ChunkMeta, memoryview, int]:
     return meta, view[end:], tag
 
 
+def _header_values(m: ChunkMeta, payload_len: int) -> dict:
+    values = (FORMAT_VERSION, m.fingerprint, m.kv_dtype, m.layout, list(m.token_ids))
+    values += (m.start_pos, m.parent_key, m.key, payload_len)
+    return dict(zip(_FIELDS, values))
+
+
 def _canonical_header(meta: ChunkMeta, payload_len: int) -> bytes:
-    values = {
-        "version": FORMAT_VERSION,
-        "fingerprint": meta.fingerprint,
-        "kv_dtype": meta.kv_dtype,
-        "layout": meta.layout,
-        "token_ids": list(meta.token_ids),
-        "start_pos": meta.start_pos,
-        "parent_key": meta.parent_key,
-        "key": meta.key,
-        "payload_len": payload_len,
-    }
-    return msgpack.packb([values[f] for f in _FIELDS], use_bin_type=True)
+    return msgpack.packb(list(_header_values(meta, payload_len).values()), use_bin_type=True)
 
 
 def _compute_tag(header: bytes, payload: memoryview) -> int:
@@ -401,10 +385,6 @@ def _ints(values) -> list[int]:
     if not isinstance(values, list) or not all(type(v) is int for v in values):
         raise TypeError("header field 'token_ids' must be a list of ints")
     return values
-
-
-def _get(h, name):
-    return h.get(name) if isinstance(h, dict) else None
 
 
 def _hex(key: bytes | None) -> str:

@@ -4,7 +4,7 @@ Ownership: chunks must outlive the replica that made them, so the store shard ow
 producer sends the encoded chunk to its shard (``put``), which ``ray.put``s it itself and
 hands back the store-owned ref. Ray 2.56 removed ``ray.put(..., _owner=actor)``, the
 zero-copy way for a producer to create an object another actor owns; the copy the shard
-makes instead costs one memcpy of the chunk on the shard's node (measured in docs/serve.md)
+makes instead costs one memcpy of the chunk on the shard's node (bench/serve.py measures it)
 and lets ownership follow the store's lifetime rather than any replica's.
 
 Keys chain (a chunk's key names its whole prefix, see app/engine/block_hash.py), so a
