@@ -8,6 +8,8 @@ import threading
 
 import yaml
 
+GRPC_SERVICERS = "app.serve.grpc_servicer.add_slimserve_grpc_servicers"
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="a deploy/*.yaml file; its first application's args are used")
@@ -18,6 +20,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-decode-replicas", type=int)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--grpc-port", type=int, default=9000, help="gRPC API port (0: no gRPC)")
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs for the local Ray")
 
 
@@ -47,9 +50,15 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = ServeArgs(**serve_args(args))
     ray.init(num_cpus=args.num_cpus, include_dashboard=False)
-    serve.start(http_options={"host": args.host, "port": args.port})
+    grpc = {"port": args.grpc_port, "grpc_servicer_functions": [GRPC_SERVICERS]}
+    serve.start(
+        http_options={"host": args.host, "port": args.port},
+        grpc_options=grpc if args.grpc_port else None,
+    )
     serve.run(build_app(cfg), name="slimserve", route_prefix="/")
     print(f"slimserve: OpenAI API on http://{args.host}:{args.port}/v1 (Ctrl-C stops)")
+    if args.grpc_port:
+        print(f"slimserve: gRPC API (slimserve.v1.Generation) on port {args.grpc_port}")
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:

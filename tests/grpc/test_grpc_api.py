@@ -188,6 +188,16 @@ def test_tokenize_detokenize_models_and_health(served, stub, offline):
     assert standard.Check(named).status == serving
     bad = health_pb2.HealthCheckRequest(service="nope.v1.Nothing")
     assert code_of(lambda: standard.Check(bad)).code() == grpc.StatusCode.NOT_FOUND
+    watch = standard.Watch(health_pb2.HealthCheckRequest())
+    assert next(watch).status == serving
+    watch.cancel()
+    # Reflection (what grpcurl uses) lists our services next to Serve's.
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+        ProtoReflectionDescriptorDatabase,
+    )
+
+    services = ProtoReflectionDescriptorDatabase(served["channel"]).get_services()
+    assert {"slimserve.v1.Generation", "grpc.health.v1.Health"} <= set(services)
     # Serve's own built-in service on the same port.
     from ray.serve.generated import serve_pb2, serve_pb2_grpc
 
