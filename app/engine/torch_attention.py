@@ -8,6 +8,7 @@ masks past each length and runs one batched attention. Prefill reuses the refere
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from kernels.reference import is_fp8, kv_write, paged_prefill_attention
 
@@ -27,12 +28,16 @@ def paged_decode_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables, 
     """q: [B, Hq, D] -> [B, Hq, D]."""
     b, hq, d = q.shape
     dtype = torch.float32
-    k = _gather(k_cache, k_scale, block_tables, dtype)  # [B, S, Hkv, D]
-    v = _gather(v_cache, v_scale, block_tables, dtype)
-    hkv = k.shape[2]
-    qg = q.to(dtype).view(b, hkv, hq // hkv, d)  # query heads grouped by their KV head
-    scores = torch.einsum("bhgd,bshd->bhgs", qg, k) * sm_scale
-    pad = torch.arange(k.shape[1], device=q.device).unsqueeze(0) >= seq_lens.unsqueeze(1)
-    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
-    out = torch.einsum("bhgs,bshd->bhgd", scores.softmax(-1), v)
-    return out.reshape(b, hq, d).to(q.dtype)
+    k = _gather(k_cache, k_scale, block_tables, dtype).transpose(1, 2)  # [B, Hkv, S, D]
+    v = _gather(v_cache, v_scale, block_tables, dtype).transpose(1, 2)
+    pad = torch.arange(k.shape[2], device=q.device).unsqueeze(0) >= seq_lens.unsqueeze(1)
+    mask = torch.zeros(pad.shape, dtype=dtype, device=q.device).masked_fill_(pad, float("-inf"))
+    out = F.scaled_dot_product_attention(
+        q.to(dtype).unsqueeze(2),  # [B, Hq, 1, D]
+        k,
+        v,
+        attn_mask=mask[:, None, None, :],
+        scale=sm_scale,
+        enable_gqa=True,
+    )
+    return out.squeeze(2).to(q.dtype)
