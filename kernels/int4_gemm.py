@@ -4,9 +4,10 @@ Packing (kernels/README.md): nibble i of qweight[n, j] is W's column 8j + i, uns
 W[n, k] = (q - z[n, k // g]) * s[n, k // g], z = 8 when symmetric.
 
 Two paths:
-- GEMV (M <= 4, decode): a broadcast-multiply-reduce over [M, BLOCK_N, BLOCK_K] tiles, no
-  `tl.dot` (which would pad M to 16), split along K so N / BLOCK_N programs do not starve
-  the GPU; split partials are summed in fp32.
+- GEMV (M <= 4, decode): each packed word is loaded once and unpacked in registers to
+  [BLOCK_N, BLOCK_K/8, 8]; a multiply-reduce per activation row, no `tl.dot` (which would pad
+  M to 16); split along K so N / BLOCK_N programs do not starve the GPU; split partials are
+  summed in fp32.
 - Tiled (M > 4): classic [BLOCK_M, BLOCK_N] output tiles with `tl.dot` over K, split-K when
   the tile grid alone is too small to fill the GPU.
 """
@@ -21,12 +22,12 @@ from kernels.device import num_sms
 
 
 @triton.jit
-def _dequant_tile(
+def _unpack_words(
     w_ptr,
     s_ptr,
     z_ptr,
     offs_n,
-    offs_k,
+    words_k,
     N,
     K,
     stride_wn,
@@ -35,18 +36,22 @@ def _dequant_tile(
     GROUP: tl.constexpr,
     HAS_ZEROS: tl.constexpr,
 ):
-    """W[offs_n, offs_k] as fp32 [BLOCK_N, BLOCK_K]; out-of-range entries are 0."""
-    mask = (offs_n < N)[:, None] & (offs_k < K)[None, :]
-    n64 = offs_n.to(tl.int64)[:, None]
-    words = tl.load(w_ptr + n64 * stride_wn + (offs_k // 8)[None, :], mask=mask, other=0)
-    q = ((words >> ((offs_k % 8) * 4)[None, :]) & 0xF).to(tl.float32)
-    g = (offs_k // GROUP)[None, :]
-    s = tl.load(s_ptr + n64 * stride_sn + g, mask=mask, other=0.0).to(tl.float32)
+    """W at rows offs_n [BN] and packed-word columns words_k [BK/8] -> fp32 [BN, BK/8, 8],
+    element [n, j, i] = W[n, 8 * words_k[j] + i]; out-of-range entries are 0.
+
+    Each int32 word, scale and zero point is loaded once per tile (a word never straddles a
+    group) and unpacked in registers."""
+    mask = (offs_n < N)[:, None] & (words_k < K // 8)[None, :]
+    rows = offs_n.to(tl.int64)[:, None]
+    words = tl.load(w_ptr + rows * stride_wn + words_k[None, :], mask=mask, other=0)
+    g = ((words_k * 8) // GROUP)[None, :]
+    s = tl.load(s_ptr + rows * stride_sn + g, mask=mask, other=0.0).to(tl.float32)
     if HAS_ZEROS:
-        z = tl.load(z_ptr + n64 * stride_zn + g, mask=mask, other=0).to(tl.float32)
+        z = tl.load(z_ptr + rows * stride_zn + g, mask=mask, other=0).to(tl.float32)
     else:
-        z = 8.0
-    return (q - z) * s
+        z = tl.full(s.shape, 8.0, tl.float32)
+    q = (words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF  # [BN, BK/8, 8]
+    return q.to(tl.float32) * s[:, :, None] - (z * s)[:, :, None]
 
 
 @triton.jit
@@ -76,16 +81,18 @@ def _gemv_kernel(
     split = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_j = tl.arange(0, BLOCK_K // 8)  # packed word within the K tile
+    offs_i = tl.arange(0, 8)  # nibble within the word
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     k_start = split * k_per_split
     for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        w = _dequant_tile(
+        words_k = k0 // 8 + offs_j  # [BK/8]
+        w = _unpack_words(
             w_ptr,
             s_ptr,
             z_ptr,
             offs_n,
-            offs_k,
+            words_k,
             N,
             K,
             stride_wn,
@@ -94,9 +101,12 @@ def _gemv_kernel(
             GROUP,
             HAS_ZEROS,
         )
-        xmask = (offs_m < M)[:, None] & (offs_k < K)[None, :]
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=xmask, other=0.0)
-        acc += tl.sum(x.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)  # [BLOCK_M, BLOCK_N]
+        cols = (words_k * 8)[:, None] + offs_i[None, :]  # [BK/8, 8] column k of each nibble
+        for m in tl.static_range(BLOCK_M):
+            k_lim = tl.where(m < M, K, 0)  # rows past M (BLOCK_M padding) read nothing
+            x = tl.load(x_ptr + m * stride_xm + cols, mask=cols < k_lim, other=0.0)
+            part = tl.sum(tl.sum(w * x.to(tl.float32)[None, :, :], axis=2), axis=1)  # [BN]
+            acc = tl.where(offs_m[:, None] == m, acc + part[None, :], acc)
     y_ptrs = y_ptr + split * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :]
     tl.store(
         y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :]
@@ -139,12 +149,13 @@ def _tiled_kernel(
         offs_k = k0 + tl.arange(0, BLOCK_K)
         xmask = (offs_m < M)[:, None] & (offs_k < K)[None, :]
         x = tl.load(x_ptr + m64[:, None] * stride_xm + offs_k[None, :], mask=xmask, other=0.0)
-        w = _dequant_tile(
+        words_k = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        w = _unpack_words(
             w_ptr,
             s_ptr,
             z_ptr,
             offs_n,
-            offs_k,
+            words_k,
             N,
             K,
             stride_wn,
@@ -153,6 +164,7 @@ def _tiled_kernel(
             GROUP,
             HAS_ZEROS,
         )
+        w = tl.reshape(w, [BLOCK_N, BLOCK_K])  # row-major: column 8j + i, as packed
         acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=PRECISION)
     y_ptrs = y_ptr + split * stride_ys + m64[:, None] * stride_ym + offs_n[None, :]
     tl.store(
@@ -178,12 +190,24 @@ def _dequant_kernel(
     BLOCK_K: tl.constexpr,
 ):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    w = _dequant_tile(
-        w_ptr, s_ptr, z_ptr, offs_n, offs_k, N, K, stride_wn, stride_sn, stride_zn, GROUP, HAS_ZEROS
-    )
-    mask = (offs_n < N)[:, None] & (offs_k < K)[None, :]
-    o_ptrs = out_ptr + offs_n.to(tl.int64)[:, None] * stride_on + offs_k[None, :]
+    words_k = tl.program_id(1) * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
+    w = _unpack_words(
+        w_ptr,
+        s_ptr,
+        z_ptr,
+        offs_n,
+        words_k,
+        N,
+        K,
+        stride_wn,
+        stride_sn,
+        stride_zn,
+        GROUP,
+        HAS_ZEROS,
+    )  # [BN, BK/8, 8]
+    cols = (words_k * 8)[:, None] + tl.arange(0, 8)[None, :]  # [BK/8, 8]
+    mask = (offs_n < N)[:, None, None] & (cols < K)[None, :, :]
+    o_ptrs = out_ptr + offs_n.to(tl.int64)[:, None, None] * stride_on + cols[None, :, :]
     tl.store(o_ptrs, w.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -231,8 +255,10 @@ def choose_config(m: int, n: int, k: int, num_sms: int = 132) -> dict:
         tiles = triton.cdiv(n, 64)
     else:
         bm = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
-        bn = 64 if m <= 64 else 128
-        cfg = dict(path="tiled", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=64)
+        # Chosen so sm_90 cubins do not spill (cuobjdump): <= 254 registers, no stack.
+        big = dict(BLOCK_N=128, BLOCK_K=32, num_warps=8)
+        cfg = dict(path="tiled", BLOCK_M=bm, **(big if bm == 128 else dict(BLOCK_N=64, BLOCK_K=64)))
+        bn = cfg["BLOCK_N"]
         tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     k_tiles = triton.cdiv(k, cfg["BLOCK_K"])
     cfg["split_k"] = max(1, min(triton.cdiv(2 * num_sms, tiles), k_tiles // 4, 16))
@@ -295,5 +321,5 @@ def int4_gemm(
     else:
         grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]), cfg["split_k"])
         prec = "ieee" if x.dtype == torch.float32 else "tf32"
-        _tiled_kernel[grid](*args, **meta, PRECISION=prec)
+        _tiled_kernel[grid](*args, **meta, PRECISION=prec, num_warps=cfg.get("num_warps", 4))
     return y[0] if cfg["split_k"] == 1 else y.sum(0).to(x.dtype)
