@@ -25,17 +25,18 @@ from ray.serve.config import AutoscalingContext
 
 # Metric names a replica reports (record_autoscaling_stats) and the policies read.
 PREFILL_TOKENS = "prefill_tokens"  # prompt tokens admitted and not yet prefilled
-NUM_REQUESTS = "num_requests"  # requests the replica is working on
+NUM_REQUESTS = "num_requests"  # sequences in the replica's engine (running + waiting)
 KV_CACHE_USAGE = "kv_cache_usage"  # fraction of KV blocks in use, 0..1
 NUM_RUNNING = "num_running"  # sequences in the decode batch
 NUM_WAITING = "num_waiting"  # sequences admitted but not scheduled (no KV room / batch full)
 
 
-def autoscaling_stats(stats: dict[str, Any], inflight_tokens: int, num_requests: int) -> dict:
-    """What an engine replica reports to the Serve autoscaler, from ``Engine.stats()``."""
+def autoscaling_stats(stats: dict[str, Any], inflight_tokens: int) -> dict[str, float]:
+    """What an engine replica reports to the Serve autoscaler: ``Engine.stats()`` and the
+    prompt tokens of the requests it is working on (``EngineHost.inflight_tokens``)."""
     return {
         PREFILL_TOKENS: float(inflight_tokens),
-        NUM_REQUESTS: float(num_requests),
+        NUM_REQUESTS: float(stats["num_running"] + stats["num_waiting"]),
         KV_CACHE_USAGE: float(stats["kv_cache_usage"]),
         NUM_RUNNING: float(stats["num_running"]),
         NUM_WAITING: float(stats["num_waiting"]),

@@ -26,6 +26,9 @@ class EngineServer:
     def record_routing_stats(self) -> dict[str, Any]:
         return self.host.routing_stats()
 
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        return self.host.autoscaling_stats()
+
     async def stats(self) -> dict[str, Any]:
         return self.host.stats()
 

@@ -23,13 +23,16 @@ class DecodeServer:
     def __init__(self, args: dict[str, Any]):
         self.args = ServeArgs(**args)
         store = KVStoreClient.from_name(self.args.store_name, self.args.store_shards)
-        self.host = EngineHost(self.args, store)
+        self.host = EngineHost(self.args, store, role="decode")
 
     async def describe(self) -> dict[str, Any]:
         return {**self.host.describe(), "replica": self.host.name}
 
     def record_routing_stats(self) -> dict[str, Any]:
         return self.host.routing_stats()
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        return self.host.autoscaling_stats()
 
     async def stats(self) -> dict[str, Any]:
         return self.host.stats()
@@ -53,7 +56,11 @@ class DecodeServer:
                 cache_salt=gen.cache_salt,
                 kv_import=fetched.chunks or None,
             )
-            async for delta in host.async_engine.generate(request):
+            deltas = host.async_engine.generate(request)
+            # timed: inter-token latency on this replica (the first token came from prefill)
+            async for delta in host.metrics.timed(
+                deltas, len(prompt), count=False, after_first_token=True
+            ):
                 yield dataclasses.replace(delta, num_prompt_tokens=len(prompt))
         finally:
             host.inflight_tokens -= len(prompt)

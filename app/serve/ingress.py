@@ -21,6 +21,7 @@ from app.engine.request import RequestDelta
 from app.serve.config import ServeArgs
 from app.serve.grpc_servicer import GrpcIngress
 from app.serve.messages import DecodeRequest, GenerateRequest, RoutingInfo, short_key
+from app.serve.metrics import ReplicaMetrics
 from app.serve.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest
 from app.serve.replica import prompt_chunk_keys, resolve_model
 from app.serve.responses import (
@@ -71,6 +72,7 @@ class Ingress(GrpcIngress):  # gRPC methods: app/serve/grpc_servicer.py
         model = resolve_model(self.args.engine.model)
         self.model_name = self.args.served_model_name or os.path.basename(model.rstrip("/"))
         self.tokenizer = Tokenizer.from_path(model)
+        self.metrics = ReplicaMetrics("ingress", self.model_name)  # the client's view
         self._info: dict[str, Any] | None = None
         self._placement: dict[str, dict[str, Any]] = {}  # request id -> where it ran (debug)
 
@@ -219,7 +221,11 @@ class Ingress(GrpcIngress):  # gRPC methods: app/serve/grpc_servicer.py
             self._info = await handle.describe.remote()
         return self._info
 
-    async def _choice(self, gen: GenerateRequest) -> AsyncIterator[RequestDelta]:
+    def _choice(self, gen: GenerateRequest) -> AsyncIterator[RequestDelta]:
+        """One choice's deltas, timed: TTFT, inter-token and e2e latency, token counts."""
+        return self.metrics.timed(self._choice_deltas(gen), len(gen.prompt_token_ids))
+
+    async def _choice_deltas(self, gen: GenerateRequest) -> AsyncIterator[RequestDelta]:
         """The deltas of one choice: prefill then decode, or one colocated engine."""
         if self.engine is not None:
             async for delta in _stream(self.engine.options(stream=True).generate.remote(gen)):

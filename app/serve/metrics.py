@@ -180,14 +180,20 @@ class ReplicaMetrics:
         every token seen here is an inter-token gap, the first measured from the call.
         """
         timer = RequestTimer(self, num_prompt_tokens, count, after_first_token)
-        finished = False
+        ended = False  # normally, or closed by our consumer; not on an error or a cancel
         try:
             async for delta in deltas:
                 timer.on_tokens(len(delta.new_token_ids))
                 yield delta
-            finished = True
+            ended = True
+        except GeneratorExit:  # the consumer had all it needed (final delta, stop string)
+            ended = True
+            raise
         finally:
-            timer.finish(completed=finished)
+            timer.finish(completed=ended)
+            aclose = getattr(deltas, "aclose", None)
+            if aclose is not None:  # closing us closes the engine stream now (abort, free KV)
+                await aclose()
 
     def observe(self, name: str, value: float) -> None:
         _metric(name).observe(value, self.tags)
@@ -223,7 +229,7 @@ class RequestTimer:
             self.metrics.inc("slimserve:generation_tokens", n)
 
     def finish(self, completed: bool = True) -> None:
-        """End of the choice; an aborted or failed one records no e2e latency."""
+        """End of the choice; a failed or cancelled one records no e2e latency."""
         if self.count and completed and self.last is not None:
             self.metrics.observe("slimserve:e2e_request_latency_seconds", self.last - self.arrival)
             self.metrics.inc("slimserve:prompt_tokens", self.num_prompt_tokens)

@@ -23,13 +23,16 @@ class PrefillServer:
     def __init__(self, args: dict[str, Any]):
         self.args = ServeArgs(**args)
         store = KVStoreClient.from_name(self.args.store_name, self.args.store_shards)
-        self.host = EngineHost(self.args, store)
+        self.host = EngineHost(self.args, store, role="prefill")
 
     async def describe(self) -> dict[str, Any]:
         return {**self.host.describe(), "replica": self.host.name}
 
     def record_routing_stats(self) -> dict[str, Any]:
         return self.host.routing_stats()
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        return self.host.autoscaling_stats()
 
     async def stats(self) -> dict[str, Any]:
         return self.host.stats()
@@ -48,7 +51,10 @@ class PrefillServer:
                 prefill_only=True,
             )
             first: RequestDelta | None = None
-            async for delta in host.async_engine.generate(request):
+            deltas = host.metrics.timed(
+                host.async_engine.generate(request), len(prompt), count=False
+            )
+            async for delta in deltas:  # timed: TTFT as this replica sees it
                 first = delta if first is None else _merge(first, delta)
             assert first is not None and first.finished, "prefill ended without a final delta"
             chunks = await self._publish(first.exported_chunks or [], reused)
@@ -73,6 +79,7 @@ class PrefillServer:
         partial = [c for c in fresh if not is_full(c, ct)]
         published = await publish(store, new_full, cache=True)
         published += await publish(store, partial, cache=False)
+        self.host.metrics.on_chunks("publish", sum(s.size for s in published))
         self.host.remember(c.key for c in new_full if c.key)
         by_key = {s.key: s for s in published} | known
         return [by_key[c.key or b""] for c in exported]

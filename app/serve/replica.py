@@ -17,8 +17,10 @@ from app.engine.engine import Engine
 from app.kvstore.chunk import KVChunk
 from app.kvstore.store import KVStoreClient, StoredChunk
 from app.kvstore.transfer import ChunkExpectation, FetchResult, fetch_verified
+from app.serve.autoscaling import autoscaling_stats
 from app.serve.config import EngineArgs, ServeArgs
 from app.serve.messages import short_key
+from app.serve.metrics import ReplicaMetrics, model_label
 
 log = logging.getLogger(__name__)
 _RECENT_KEYS = 2048  # chunk keys a replica advertises for prefix affinity
@@ -58,7 +60,7 @@ def replica_name() -> str:
 
 
 class EngineHost:
-    def __init__(self, args: ServeArgs, store: KVStoreClient | None):
+    def __init__(self, args: ServeArgs, store: KVStoreClient | None, role: str = "colocated"):
         if args.engine.torch_threads:
             torch.set_num_threads(args.engine.torch_threads)
         self.args = args
@@ -72,6 +74,8 @@ class EngineHost:
         self.inflight_tokens = 0  # prompt tokens of requests this replica is working on
         self._recent: OrderedDict[int, None] = OrderedDict()
         self.name = replica_name()
+        model = model_label(args.served_model_name, self.engine.config.model)
+        self.metrics = ReplicaMetrics(role, model)  # app/serve/metrics.py
 
     def describe(self) -> dict[str, Any]:
         """What the ingress needs to tokenize, validate and key prompts like the engine."""
@@ -102,11 +106,14 @@ class EngineHost:
         keys = self.chunk_keys(prompt, cache_salt)[:usable]
         hit = await self.store.match_prefix(keys)
         fetched = await self.fetch(hit, prompt)
+        self.metrics.on_store_lookup(len(keys) * self.chunk_tokens, fetched.num_tokens)
         return fetched, hit[: len(fetched.chunks)]
 
     async def fetch(self, stored: list[StoredChunk], prompt: list[int]) -> FetchResult:
         assert self.store is not None
         result = await fetch_verified(self.store, stored, self.expect, prompt)
+        self.metrics.on_chunks("fetch", result.bytes)
+        self.metrics.on_chunk_failures(result.failures)
         self.remember(c.key for c in result.chunks if c.key)
         return result
 
@@ -119,6 +126,7 @@ class EngineHost:
 
     def routing_stats(self) -> dict[str, Any]:
         s = self.engine.stats()
+        self.metrics.on_step(s, self.block_size)  # Serve calls this every routing period
         used_blocks = s["kv_blocks_total"] - s["kv_blocks_free"]
         return {
             "inflight_tokens": self.inflight_tokens,
@@ -130,6 +138,10 @@ class EngineHost:
 
     def stats(self) -> dict[str, Any]:
         return {**self.engine.stats(), "inflight_tokens": self.inflight_tokens, "name": self.name}
+
+    def autoscaling_stats(self) -> dict[str, float]:
+        """The load Serve's autoscaler sees (app/serve/autoscaling.py)."""
+        return autoscaling_stats(self.engine.stats(), self.inflight_tokens)
 
 
 def prompt_chunk_keys(

@@ -124,7 +124,7 @@ def test_serve_wrapper_applies_delays_and_factors():
 
 def test_autoscaling_stats_from_engine_stats():
     stats = {"kv_cache_usage": 0.25, "num_running": 3, "num_waiting": 1}
-    out = autoscaling_stats(stats, inflight_tokens=700, num_requests=4)
+    out = autoscaling_stats(stats, inflight_tokens=700)
     assert out == {
         PREFILL_TOKENS: 700.0,
         NUM_REQUESTS: 4.0,

@@ -1,0 +1,156 @@
+"""With the app running on a local Ray, Ray's Prometheus endpoint shows every slimserve metric
+with values that agree with what the requests did."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import re
+import time
+import urllib.request
+
+import httpx
+import numpy as np
+import pytest
+from serve.apps import running_app, tiny_serve_args
+
+from app.serve.metrics import SPECS, prometheus_name
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+_SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][\w:]*)(?:\{(?P<labels>.*)\})? (?P<value>\S+)$")
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def scrape(port: int) -> list[tuple[str, dict, float]]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out = []
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if m and m["name"].startswith("ray_slimserve_"):
+            out.append((m["name"], dict(_LABEL.findall(m["labels"] or "")), float(m["value"])))
+    return out
+
+
+def total(samples, name: str, **labels) -> float:
+    return sum(v for n, lab, v in samples if n == name and labels.items() <= lab.items())
+
+
+def series(samples, name: str) -> list[dict]:
+    return [lab for n, lab, _ in samples if n == name]
+
+
+def kv_block_bytes(model: str) -> int:
+    from app.engine.engine import Engine
+    from app.serve.config import EngineArgs
+    from app.serve.replica import engine_config
+
+    args = EngineArgs(model=model, dtype="float32", kv_cache_memory_bytes=1 << 20)
+    return Engine(engine_config(args)).kv_spec.bytes_per_block()
+
+
+def corrupt_first_chunk(prompt: list[int]) -> None:
+    """Flip a payload bit of the prompt's first stored chunk (its tag no longer matches)."""
+    import ray
+    from ray import serve
+
+    from app.kvstore.store import KVStoreClient
+    from app.serve.replica import prompt_chunk_keys
+
+    info = serve.get_deployment_handle("PrefillServer", "slimserve").describe.remote().result()
+    keys = prompt_chunk_keys(prompt, info["salt_base"], None, 16, info["chunk_tokens"])
+    store = KVStoreClient.from_name("slimserve-kvstore", 1)
+    entry = asyncio.run(store.get(keys[0]))
+    bad = bytearray(ray.get(entry.ref))
+    bad[-3] ^= 0x40
+    asyncio.run(store.drop(keys[0], "test"))
+    data = np.frombuffer(bytes(bad), dtype=np.uint8)
+    asyncio.run(store.put(keys[0], data, entry.tag, list(entry.token_ids)))
+
+
+def test_metrics_endpoint_shows_every_metric_with_sane_values(ray_session, checkpoint_factory):
+    model = checkpoint_factory("llama")
+    # Room for 8 blocks: one 100-token prompt fits, three growing sequences do not (preemption).
+    budget = 8 * kv_block_bytes(model)
+    args = tiny_serve_args(model, engine={"dtype": "float32", "kv_cache_memory_bytes": budget})
+    usage = {"prompt_tokens": 0, "completion_tokens": 0, "choices": 0}
+
+    def complete(url, prompt, max_tokens):
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+        r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        usage["prompt_tokens"] += out["usage"]["prompt_tokens"]
+        usage["completion_tokens"] += out["usage"]["completion_tokens"]
+        usage["choices"] += 1
+
+    rng = np.random.default_rng(0)
+    long_prompt = [int(t) for t in rng.integers(3, 300, 100)]  # 3 full 32-token chunks
+    with running_app(ray_session, args) as url:
+        complete(url, long_prompt, 4)  # computes and publishes the chunks
+        complete(url, long_prompt, 4)  # store hit (and local prefix cache hit)
+        corrupt_first_chunk(long_prompt)
+        complete(url, long_prompt, 4)  # integrity failure, recomputed
+        short = [[int(t) for t in rng.integers(3, 300, 20)] for _ in range(3)]
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            list(pool.map(lambda p: complete(url, p, 60), short))  # decode KV runs out
+        port = ray_session._private.worker._global_node.metrics_export_port
+        samples = wait_for_all(port, usage)
+    check(samples, usage)
+
+
+def wait_for_all(port: int, usage: dict, timeout_s: float = 120) -> list:
+    """Ray exports every few seconds: wait until the counters caught up with the requests."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        samples = scrape(port)
+        names = {n for n, _, _ in samples}
+        want = {prometheus_name(n) + ("_count" if s.kind == "histogram" else "")
+                for n, s in SPECS.items()}  # fmt: skip
+        done = total(samples, "ray_slimserve_prompt_tokens_total") >= usage["prompt_tokens"]
+        if (want <= names and done) or time.monotonic() > deadline:
+            missing = sorted(want - names)
+            assert not missing, f"not exported after {timeout_s}s: {missing}"
+            return samples
+        time.sleep(2)
+
+
+def check(samples, usage) -> None:
+    ingress = {"role": "ingress", "model": "tiny"}
+    for _, labels in [(n, lab) for n, lab, _ in samples]:
+        assert labels["model"] == "tiny" and labels["role"] in {"ingress", "prefill", "decode"}
+        assert labels["application"] == "slimserve" and labels["deployment"]
+    # The client's view (ingress) agrees exactly with what the API reported.
+    assert total(samples, "ray_slimserve_prompt_tokens_total", **ingress) == usage["prompt_tokens"]
+    gen = total(samples, "ray_slimserve_generation_tokens_total", **ingress)
+    assert gen == usage["completion_tokens"]
+    n = usage["choices"]
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds"):
+        assert total(samples, f"ray_slimserve_{name}_count", **ingress) == n, name
+        assert total(samples, f"ray_slimserve_{name}_sum", **ingress) > 0, name
+    itl = total(samples, "ray_slimserve_inter_token_latency_seconds_count", **ingress)
+    assert itl == gen - n  # every token after a choice's first is one gap
+    assert total(samples, "ray_slimserve_time_to_first_token_seconds_count", role="prefill") == n
+    assert total(samples, "ray_slimserve_inter_token_latency_seconds_count", role="decode") > 0
+    for labels in series(samples, "ray_slimserve_kv_cache_usage_perc"):
+        value = total(samples, "ray_slimserve_kv_cache_usage_perc", **labels)
+        assert 0.0 <= value <= 1.0
+    # Store: publishes, fetches, hits no more than queries; the corrupted chunk counted.
+    for cache in ("store", "local"):
+        queries = total(samples, "ray_slimserve_prefix_cache_queries_total", cache=cache)
+        hits = total(samples, "ray_slimserve_prefix_cache_hits_total", cache=cache)
+        assert 0 < hits <= queries, cache
+    moved = "ray_slimserve_kv_chunk_bytes_transferred_total"
+    assert total(samples, moved, direction="publish") > 0
+    assert total(samples, moved, direction="fetch") > 0
+    assert total(samples, "ray_slimserve_kv_integrity_failures_total", reason="integrity") >= 1
+    assert total(samples, "ray_slimserve_preemptions_total", role="decode") >= 1
+    # Histogram buckets are cumulative.
+    for name in ("time_to_first_token_seconds", "inter_token_latency_seconds"):
+        buckets = [
+            (float(lab["le"]), v)
+            for n, lab, v in samples
+            if n == f"ray_slimserve_{name}_bucket" and lab["role"] == "ingress"
+        ]
+        counts = [v for _, v in sorted(buckets)]
+        assert counts == sorted(counts)
