@@ -78,11 +78,31 @@ def quantity(value: str) -> int:
 
 @pytest.mark.parametrize("target", TARGETS)
 def test_manifests_validate_against_the_crd_schema(target, crd_schemas):
-    docs = rendered(target)
-    assert docs, f"{target} renders nothing"
+    docs = [d for d in rendered(target) if d["apiVersion"] == "ray.io/v1"]
+    assert [d["kind"] for d in docs] == ["RayService"], target
     for doc in docs:
-        assert doc["apiVersion"] == "ray.io/v1"
         jsonschema.validate(doc, crd_schemas[doc["kind"]])
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_grpc_service_reaches_every_serving_pod(target):
+    (svc,) = [d for d in rendered(target) if d["kind"] == "Service"]
+    assert [(p["port"], p["targetPort"]) for p in svc["spec"]["ports"]] == [(9000, "serve-grpc")]
+    assert svc["metadata"]["name"] == "slimserve-grpc"
+    selector = dict(svc["spec"]["selector"])
+    assert selector.pop("ray.io/serve") == "true"  # the label KubeRay keeps on ready pods
+    for name, _, pod in pods(the_service(target)):
+        template = _template(the_service(target), name)
+        assert selector.items() <= template["metadata"]["labels"].items(), name
+        ports = {p["name"] for p in pod["containers"][0]["ports"]}
+        assert "serve-grpc" in ports, name
+
+
+def _template(service: dict, group: str) -> dict:
+    cluster = service["spec"]["rayClusterConfig"]
+    if group == "head":
+        return cluster["headGroupSpec"]["template"]
+    return next(g for g in cluster["workerGroupSpecs"] if g["groupName"] == group)["template"]
 
 
 def test_schema_check_catches_a_bad_manifest(crd_schemas):
@@ -189,7 +209,9 @@ def test_render_matches_kubectl_kustomize(target):
         check=True,
         timeout=120,
     ).stdout
-    assert [d for d in yaml.safe_load_all(out) if d] == rendered(target)
+    key = lambda d: (d["kind"], d["metadata"]["name"])  # kustomize orders by kind
+    theirs = sorted((d for d in yaml.safe_load_all(out) if d), key=key)
+    assert theirs == sorted(rendered(target), key=key)
 
 
 def test_merge_and_json_patches():
