@@ -1,16 +1,17 @@
 """The gRPC API end to end: a real grpcio client on Serve's gRPC proxy, next to the HTTP API.
 
-One `serve.run` for the module (colocated tiny model, API keys required); Serve is shut
-down after, since its proxy options (the gRPC port and servicers) are fixed when it starts.
+One `serve.run` for the module (colocated tiny model, API keys required, small queues so
+that overload is reachable); tests/grpc/grpc_app.py starts and stops Serve around it.
 """
 
-import socket
 import threading
 import time
 
 import grpc
 import httpx
 import pytest
+from grpc_app import grpc_app
+from grpc_app import wait_until_idle as wait_idle
 from serve.apps import tiny_serve_args
 
 from app import LLM, SamplingParams
@@ -21,7 +22,6 @@ from app.serve.grpc_gen.slimserve.v1 import generation_pb2_grpc
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 APP = "slimserve-grpc"
-SERVICER = "app.serve.grpc_servicer.add_slimserve_grpc_servicers"
 PROMPT = "the quick brown fox jumps over the lazy dog " * 3
 KEY_A = (("application", APP), ("authorization", "Bearer key-tenant-a"))
 KEY_B = (("application", APP), ("authorization", "Bearer key-tenant-b"))
@@ -29,18 +29,9 @@ ENGINE_ONGOING, ENGINE_QUEUED = 8, 16  # per engine replica; ingress takes 4x th
 LONG = pb.SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def served(ray_session, checkpoint_factory):
     from ray import serve
-    from ray.serve.config import gRPCOptions
-
-    from app.serve.build import build_app
 
     model = checkpoint_factory("llama")
     args = tiny_serve_args(
@@ -51,39 +42,9 @@ def served(ray_session, checkpoint_factory):
         max_ongoing_requests=ENGINE_ONGOING,
         max_queued_requests=ENGINE_QUEUED,
     )
-    http_port, grpc_port = _free_port(), _free_port()
-    serve.shutdown()  # a Serve started earlier in the session has no gRPC proxy
-    serve.start(
-        http_options={"host": "127.0.0.1", "port": http_port},
-        grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=[SERVICER]),
-    )
-    serve.run(build_app(args), name=APP, route_prefix="/")
-    channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
-    try:
-        _wait_for_grpc(channel)
-        yield {
-            "model": model,
-            "channel": channel,
-            "http": f"http://127.0.0.1:{http_port}",
-            "engine": serve.get_deployment_handle("EngineServer", APP),
-        }
-    finally:
-        channel.close()
-        serve.delete(APP)
-        serve.shutdown()
-
-
-def _wait_for_grpc(channel, deadline_s: float = 120) -> None:
-    stub = generation_pb2_grpc.GenerationStub(channel)
-    end = time.monotonic() + deadline_s
-    while True:
-        try:
-            stub.ListModels(pb.ListModelsRequest(), metadata=KEY_A, timeout=10)
-            return
-        except grpc.RpcError:
-            if time.monotonic() > end:
-                raise
-            time.sleep(0.5)
+    with grpc_app(ray_session, args, APP, KEY_A) as (channel, http):
+        engine = serve.get_deployment_handle("EngineServer", APP)
+        yield {"model": model, "channel": channel, "http": http, "engine": engine}
 
 
 @pytest.fixture(scope="module")
@@ -100,16 +61,8 @@ def engine_stats(served) -> dict:
     return served["engine"].stats.remote().result(timeout_s=30)
 
 
-def wait_until_idle(served, timeout_s: float = 30) -> dict:
-    """The engine has no request left and every KV block is free again (cached ones count)."""
-    end = time.monotonic() + timeout_s
-    while True:
-        s = engine_stats(served)
-        idle = s["num_running"] == 0 and s["num_waiting"] == 0
-        if idle and s["kv_blocks_free"] == s["kv_blocks_total"]:
-            return s
-        assert time.monotonic() < end, f"blocks still held: {s}"
-        time.sleep(0.2)
+def wait_until_idle(served) -> dict:
+    return wait_idle(served["engine"])
 
 
 def greedy(max_tokens: int, **kw) -> pb.SamplingParams:
