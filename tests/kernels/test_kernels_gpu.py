@@ -1,0 +1,94 @@
+"""Compiled kernels on a real GPU vs the references, at serving shapes and in bf16.
+
+    TRITON_INTERPRET=0 .venv/bin/pytest tests/kernels/test_kernels_gpu.py -q
+
+Skipped without CUDA, and under the interpreter (tests/conftest.py defaults it on).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+import torch
+from kernel_testing import FP8, block_tables, filled_cache
+
+from kernels import reference
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="TRITON_INTERPRET=1"),
+]
+BF16_TOL = dict(atol=2e-2, rtol=2e-2)
+
+
+def _mod(name: str):
+    return importlib.import_module(f"kernels.{name}")
+
+
+def _cuda(xs):
+    return tuple(x.cuda() if isinstance(x, torch.Tensor) else x for x in xs)
+
+
+@pytest.mark.parametrize("cache_dtype", [FP8, torch.bfloat16])
+@pytest.mark.parametrize("num_splits", [None, 1, 8])
+def test_decode_gpu(cache_dtype, num_splits):
+    gen = torch.Generator().manual_seed(0)
+    lens, hq, hkv, d, bs = [1, 700, 5000, 33], 32, 8, 128, 16
+    cache = filled_cache(cache_dtype, 400, bs, hkv, d, gen)
+    table = block_tables(lens, bs, 400, gen)
+    q = torch.randn(len(lens), hq, d, generator=gen).to(torch.bfloat16)
+    args = _cuda((q, *cache.args(), table, torch.tensor(lens, dtype=torch.int32), d**-0.5))
+    out = _mod("paged_decode").paged_decode_attention(*args, num_splits=num_splits)
+    torch.testing.assert_close(
+        out.float(), reference.paged_decode_attention(*args).float(), **BF16_TOL
+    )
+
+
+@pytest.mark.parametrize("cache_dtype", [FP8, torch.bfloat16])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_prefill_gpu(cache_dtype, d):
+    gen = torch.Generator().manual_seed(1)
+    lens, qlens, hq, hkv, bs = [300, 1000, 77], [300, 129, 1], 16, 4, 16
+    cache = filled_cache(cache_dtype, 120, bs, hkv, d, gen)
+    table = block_tables(lens, bs, 120, gen)
+    qsl = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(sum(qlens), hq, d, generator=gen).to(torch.bfloat16)
+    args = _cuda((q, *cache.args(), table, qsl, torch.tensor(lens, dtype=torch.int32), d**-0.5))
+    out = _mod("paged_prefill").paged_prefill_attention(*args)
+    torch.testing.assert_close(
+        out.float(), reference.paged_prefill_attention(*args).float(), **BF16_TOL
+    )
+
+
+def test_kv_write_gpu_bits_match_reference():
+    gen = torch.Generator().manual_seed(2)
+    k = torch.randn(300, 8, 128, generator=gen) * 10
+    v = torch.randn(300, 8, 128, generator=gen) * 0.01
+    slots = torch.randperm(64 * 16, generator=gen)[:300]
+    slots[::7] = -1
+    results = []
+    for fn in (reference.kv_write, _mod("kv_write").kv_write):
+        cache = filled_cache(FP8, 64, 16, 8, 128, torch.Generator().manual_seed(3))
+        args = _cuda((k.bfloat16(), v.bfloat16(), *cache.args(), slots))
+        fn(*args)
+        results.append([t.view(torch.uint8) if t.dtype == FP8 else t for t in args[2:6]])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("m", [1, 3, 16, 100, 1024])
+@pytest.mark.parametrize("zeros", [False, True])
+def test_int4_gemm_gpu(m, zeros):
+    gen = torch.Generator().manual_seed(m)
+    n, k, g = 4096, 4096, 128
+    qw = torch.randint(-(2**31), 2**31 - 1, (n, k // 8), dtype=torch.int32, generator=gen)
+    s = (torch.rand(n, k // g, generator=gen) * 0.01).to(torch.bfloat16)
+    z = torch.randint(0, 16, (n, k // g), generator=gen, dtype=torch.uint8) if zeros else None
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    args = _cuda((x, qw, s, z, g))
+    out = _mod("int4_gemm").int4_gemm(*args).float()
+    ref = reference.int4_gemm(*args).float()
+    assert ((out - ref).abs().max() / ref.abs().max()).item() < 1e-2
