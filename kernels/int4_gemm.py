@@ -3,13 +3,14 @@
 Packing (kernels/README.md): nibble i of qweight[n, j] is W's column 8j + i, unsigned 0..15,
 W[n, k] = (q - z[n, k // g]) * s[n, k // g], z = 8 when symmetric.
 
-Two paths:
+Three paths (`choose_config`):
 - GEMV (M <= 4, decode): each packed word is loaded once and unpacked in registers to
   [BLOCK_N, BLOCK_K/8, 8]; a multiply-reduce per activation row, no `tl.dot` (which would pad
   M to 16); split along K so N / BLOCK_N programs do not starve the GPU; split partials are
   summed in fp32.
-- Tiled (M > 4): classic [BLOCK_M, BLOCK_N] output tiles with `tl.dot` over K, split-K when
+- Tiled (4 < M < 1024): [BLOCK_M, BLOCK_N] output tiles with `tl.dot` over K, split-K when
   the tile grid alone is too small to fill the GPU.
+- Dequant (M >= 1024, prefill): W dequantized once by `_dequant_kernel`, then cuBLAS.
 """
 
 from __future__ import annotations
