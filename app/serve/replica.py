@@ -104,10 +104,24 @@ class EngineHost:
             return FetchResult(), []
         usable = (len(prompt) - 1) // self.chunk_tokens
         keys = self.chunk_keys(prompt, cache_salt)[:usable]
+        local = self.locally_cached_chunks(keys)
+        if local == len(keys):
+            return FetchResult(), []  # the local prefix cache has all the store could give
         hit = await self.store.match_prefix(keys)
+        if len(hit) <= local:  # nothing to fetch; the refs still save re-publishing
+            return FetchResult(), hit
         fetched = await self.fetch(hit, prompt)
         self.metrics.on_store_lookup(len(keys) * self.chunk_tokens, fetched.num_tokens)
         return fetched, hit[: len(fetched.chunks)]
+
+    def locally_cached_chunks(self, keys: list[bytes]) -> int:
+        """Leading chunks whose last block is in the engine's prefix cache (a chunk key is
+        its last block's key). Advisory: blocks may be evicted before the request runs."""
+        cached = self.engine.blocks.cached  # membership tests are safe beside the step thread
+        run = 0
+        while run < len(keys) and keys[run] in cached:
+            run += 1
+        return run
 
     async def fetch(self, stored: list[StoredChunk], prompt: list[int]) -> FetchResult:
         assert self.store is not None

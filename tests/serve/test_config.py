@@ -1,0 +1,53 @@
+"""ServeArgs validation and the configs that ship (no cluster needed)."""
+
+import argparse
+import os
+
+import pydantic
+import pytest
+import yaml
+
+from app.serve.cli import serve_args
+from app.serve.config import ServeArgs
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+LOCAL = os.path.join(ROOT, "deploy", "local.yaml")
+
+
+def test_local_yaml_args_validate():
+    with open(LOCAL) as f:
+        app = yaml.safe_load(f)["applications"][0]
+    assert app["import_path"] == "app.serve.build:build_app"
+    cfg = ServeArgs(**app["args"])
+    assert cfg.mode == "disaggregated" and cfg.engine.kv_cache_dtype == "fp8_e4m3"
+    assert cfg.num_prefill_replicas == cfg.num_decode_replicas == 1
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"mode": "both"},
+        {"num_prefil_replicas": 2},  # typo: unknown fields are errors
+        {"engine": {"chunk_tokens": 100, "block_size": 16}},
+        {"max_queued_requests": 0},
+        {"engine": {"kv_cache_memory_bytes": -1}},
+    ],
+)
+def test_bad_serve_args_are_rejected(bad):
+    with pytest.raises(pydantic.ValidationError):
+        ServeArgs(**bad)
+
+
+def test_cli_flags_override_the_config_file():
+    ns = argparse.Namespace(
+        config=LOCAL,
+        model="/models/x",
+        kv_cache_dtype="bf16",
+        mode="colocated",
+        num_prefill_replicas=None,
+        num_decode_replicas=3,
+    )
+    cfg = ServeArgs(**serve_args(ns))
+    assert cfg.engine.model == "/models/x" and cfg.engine.kv_cache_dtype == "bf16"
+    assert cfg.mode == "colocated" and cfg.num_decode_replicas == 3
+    assert cfg.engine.chunk_tokens == 256  # the rest comes from the file
