@@ -23,7 +23,7 @@ from models.moe_checkpoints import (
     teacher_forced_agreement,
 )
 
-NEW_TOKENS = 20
+NEW_TOKENS = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 SCORED = PROMPTS[2]
 WIDTH = 64 + 8  # kv_lora_rank + qk_rope_head_dim: the one cached "head"
@@ -59,6 +59,34 @@ def test_logits_match_transformers_without_q_lora(tmp_path):
     )
     ours = LLM(p, dtype="float32", device="cpu").engine.score(PROMPTS[1])
     torch.testing.assert_close(ours, hf_logits(hf_model(p), PROMPTS[1]), atol=1e-4, rtol=1e-4)
+
+
+def test_yarn_matches_transformers_at_kimi_k2_values():
+    """Kimi K2's published rope_scaling (beta_fast = beta_slow = 1, factor 32, 64 rope dims)."""
+    from transformers import DeepseekV3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import yarn_apply_mscale
+
+    from app.models.mla_rope import mla_inv_freq, softmax_mscale
+
+    rope = dict(
+        rope_type="yarn",
+        rope_theta=50000.0,
+        factor=32.0,
+        mscale=1.0,
+        mscale_all_dim=1.0,
+        original_max_position_embeddings=4096,
+        beta_fast=1.0,
+        beta_slow=1.0,
+    )
+    cfg = DeepseekV3Config(max_position_embeddings=131072, rope_parameters=rope)
+    want_freq, want_factor = ROPE_INIT_FUNCTIONS["yarn"](cfg)
+    freq, factor = mla_inv_freq(64, 50000.0, rope, 131072)
+    torch.testing.assert_close(freq, want_freq, atol=0, rtol=1e-6)
+    assert factor == want_factor == 1.0
+    scale = 192**-0.5 * softmax_mscale(rope)
+    assert scale == pytest.approx(yarn_apply_mscale(cfg.rope_parameters, 192**-0.5), rel=1e-12)
+    assert scale > 192**-0.5 * 1.7  # mscale(32, 1.0)**2 = 1.80: a real change
 
 
 def test_greedy_batch_matches_transformers_generate(path):
@@ -140,3 +168,20 @@ def test_mla_chunk_accepted_by_mla_engine_rejected_by_gqa_engine(path, tmp_path,
         rest = run(gqa, Request("g", prompt, params, kv_import=chunks))
     assert rest[0].num_cached_tokens == 0  # nothing imported; the prompt was computed
     assert ":mla" in caplog.text and "kv_import" in caplog.text
+
+
+@pytest.mark.triton
+def test_triton_attention_serves_the_mla_cache(path):
+    """The Triton paged kernels (interpreter here) on MLA's one-plane FP8 cache: Hkv = 1,
+    D = 72 (padded in-kernel), V read from K's plane."""
+    pytest.importorskip("triton")
+    ref, tri = (
+        paged_llm(path, kv_cache_dtype="fp8_e4m3", attention_backend=b)
+        for b in ("reference", "triton")
+    )
+    want = ref.engine.score(PROMPTS[1])
+    # measured max |diff| 3e-6 (same e4m3 bits: kv_write is bit-exact with the reference)
+    torch.testing.assert_close(tri.engine.score(PROMPTS[1]), want, atol=1e-4, rtol=1e-4)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    got = [o.token_ids for o in tri.generate(PROMPTS[:2], params)]
+    assert got == [o.token_ids for o in ref.generate(PROMPTS[:2], params)]

@@ -18,7 +18,7 @@ from models.moe_checkpoints import (
     teacher_forced_agreement,
 )
 
-NEW_TOKENS = 20
+NEW_TOKENS = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 SCORED = PROMPTS[2]
 
