@@ -53,10 +53,30 @@ _OPTIONAL_SAMPLING = (
     "frequency_penalty",
     "repetition_penalty",
 )
+_SAMPLING_NAMES = frozenset(
+    _OPTIONAL_SAMPLING + ("n", "stop", "stop_token_ids", "ignore_eos", "logprobs")
+)
 _REQUEST_ID_CHARS = frozenset(map(chr, range(0x21, 0x7F)))
 
 
 # --- requests -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class MalformedRequest:
+    """Stands in for a request message the proxy could not parse."""
+
+    reason: str
+
+    def error(self) -> APIError:
+        return APIError(400, f"the request message does not parse: {self.reason}")
+
+
+def parsed(request):
+    """The request message; INVALID_ARGUMENT if the proxy could not parse it."""
+    if isinstance(request, MalformedRequest):
+        raise request.error()
+    return request
 
 
 def http_body(req: pb.GenerateRequest, model: str) -> CompletionRequest | ChatCompletionRequest:
@@ -96,7 +116,9 @@ def _validate(model_cls, fields: dict[str, Any]):
     except ValidationError as e:
         first = e.errors()[0]
         loc = [str(p) for p in first["loc"]]
-        if loc and (loc[0] in _OPTIONAL_SAMPLING or loc[0] in ("n", "stop", "stop_token_ids")):
+        if loc and loc[0] == "top_logprobs":
+            loc[0] = "logprobs"  # the chat model's name for SamplingParams.logprobs
+        if loc and loc[0] in _SAMPLING_NAMES:
             loc.insert(0, "sampling")
         if loc and loc[0] == "messages":
             loc[0] = "chat.messages"

@@ -32,31 +32,24 @@ from app.serve.grpc_convert import (
     conversation,
     grpc_error,
     http_body,
+    parsed,
     request_id,
     stream_message,
 )
-from app.serve.grpc_gen.grpc.health.v1 import health_pb2, health_pb2_grpc
+from app.serve.grpc_gen.grpc.health.v1 import health_pb2
 from app.serve.grpc_gen.slimserve.v1 import generation_pb2 as pb
-from app.serve.grpc_gen.slimserve.v1 import generation_pb2_grpc
+from app.serve.grpc_registration import add_slimserve_grpc_servicers
 from app.serve.openai_protocol import APIError
 from app.serve.responses import ChoiceStream, detokenized
+
+# deploy/*.yaml name the registration function by this module's path (the proxy imports it).
+__all__ = ["GrpcIngress", "add_slimserve_grpc_servicers"]
 
 GENERATION_SERVICE = "slimserve.v1.Generation"
 HEALTH_TIMEOUT_S = 3.0
 STATS_TIMEOUT_S = 1.0
 WATCH_PERIOD_S = 5.0
 _SERVING = health_pb2.HealthCheckResponse
-
-
-def add_slimserve_grpc_servicers(servicer: Any, server: grpc.Server) -> None:
-    """What `grpc_options.grpc_servicer_functions` names:
-    `app.serve.grpc_servicer.add_slimserve_grpc_servicers`.
-
-    Serve's proxy calls it with a placeholder servicer and routes every method it registers
-    to the ingress deployment: slimserve.v1.Generation and grpc.health.v1.Health.
-    """
-    generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
-    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
 
 
 class GrpcRequestError(Exception):
@@ -101,6 +94,7 @@ class GrpcIngress:
         self, request: pb.TokenizeRequest, grpc_context: RayServegRPCContext
     ) -> pb.TokenizeResponse:
         try:
+            request = parsed(request)
             self._grpc_tenant(grpc_context)
             self._grpc_model(request.model)
             info = await self._describe()
@@ -119,6 +113,7 @@ class GrpcIngress:
         self, request: pb.DetokenizeRequest, grpc_context: RayServegRPCContext
     ) -> pb.DetokenizeResponse:
         try:
+            request = parsed(request)
             self._grpc_tenant(grpc_context)
             self._grpc_model(request.model)
             vocab = (await self._describe())["vocab_size"]
@@ -134,6 +129,7 @@ class GrpcIngress:
         self, request: pb.ListModelsRequest, grpc_context: RayServegRPCContext
     ) -> pb.ListModelsResponse:
         try:
+            request = parsed(request)
             self._grpc_tenant(grpc_context)
             info = await self._describe()
             model = pb.Model(
@@ -164,8 +160,9 @@ class GrpcIngress:
     async def Check(
         self, request: health_pb2.HealthCheckRequest, grpc_context: RayServegRPCContext
     ) -> health_pb2.HealthCheckResponse:
-        if request.service not in ("", GENERATION_SERVICE):
-            error = GrpcError(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
+        service = getattr(request, "service", None)  # None: a MalformedRequest
+        if service not in ("", GENERATION_SERVICE):
+            error = GrpcError(grpc.StatusCode.NOT_FOUND, f"unknown service {service!r}")
             self._grpc_fail(grpc_context, error)
             return _SERVING()
         return _SERVING(status=await self._grpc_serving_status())
@@ -173,7 +170,7 @@ class GrpcIngress:
     async def Watch(
         self, request: health_pb2.HealthCheckRequest, grpc_context: RayServegRPCContext
     ) -> AsyncIterator[health_pb2.HealthCheckResponse]:
-        if request.service not in ("", GENERATION_SERVICE):
+        if getattr(request, "service", None) not in ("", GENERATION_SERVICE):
             yield _SERVING(status=_SERVING.SERVICE_UNKNOWN)
             return
         last = None
@@ -189,6 +186,7 @@ class GrpcIngress:
         self, request: pb.GenerateRequest, ctx: RayServegRPCContext
     ) -> tuple[str, ChoiceStream, UsageCounter]:
         """Validate and start one request's choices (as the HTTP route does)."""
+        request = parsed(request)
         salt = self._grpc_tenant(ctx)
         self._grpc_model(request.model)
         body = http_body(request, self.model_name)

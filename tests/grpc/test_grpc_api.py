@@ -205,6 +205,21 @@ def test_bad_input_is_invalid_argument_on_both_methods(stub, req, words):
         assert words.lower() in err.details().lower()
 
 
+def test_unparsable_message_is_invalid_argument(served):
+    """A string field that is not UTF-8: the proxy cannot parse it; still not INTERNAL."""
+    raw = b"\x12\x02\xff\xfe"  # GenerateRequest.text (field 2) = b"\xff\xfe"
+    for method in ("Complete", "Generate"):
+        path = f"/slimserve.v1.Generation/{method}"
+        call = served["channel"].unary_unary if method == "Complete" else None
+        call = call or served["channel"].unary_stream
+        err = code_of(lambda c=call, p=path: list_or_one(c(p)(raw, metadata=KEY_A, timeout=30)))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "UTF-8" in err.details()
+
+
+def list_or_one(result):
+    return result if isinstance(result, bytes) else list(result)
+
+
 def test_unknown_model_and_auth(stub):
     req = pb.GenerateRequest(model="gpt-4", text="hi")
     err = code_of(lambda: stub.Complete(req, metadata=KEY_A))
