@@ -15,6 +15,7 @@ replicas abort the request and free its KV blocks.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -45,6 +46,7 @@ from app.serve.responses import ChoiceStream, detokenized
 # deploy/*.yaml name the registration function by this module's path (the proxy imports it).
 __all__ = ["GrpcIngress", "add_slimserve_grpc_servicers"]
 
+log = logging.getLogger(__name__)
 GENERATION_SERVICE = "slimserve.v1.Generation"
 HEALTH_TIMEOUT_S = 3.0
 STATS_TIMEOUT_S = 1.0
@@ -75,7 +77,7 @@ class GrpcIngress:
         except Exception as e:  # noqa: BLE001 - every failure becomes a status code
             # A streaming error's trailers cannot reach the client through Serve's proxy
             # (only code and details do), so the retry delay is in the details too.
-            raise self._grpc_fail(grpc_context, grpc_error(e, self.args.retry_after_s)) from e
+            raise self._grpc_fail(grpc_context, self._grpc_status(e)) from e
         finally:
             if stream is not None:
                 stream.close()  # cancelled or failed: the engines abort, blocks are freed
@@ -236,8 +238,14 @@ class GrpcIngress:
 
     def _grpc_unary_fail(self, ctx: RayServegRPCContext, e: Exception, empty):
         """Unary errors return a placeholder with the code set, so trailers reach the client."""
-        self._grpc_fail(ctx, grpc_error(e, self.args.retry_after_s))
+        self._grpc_fail(ctx, self._grpc_status(e))
         return empty
+
+    def _grpc_status(self, e: Exception) -> GrpcError:
+        error = grpc_error(e, self.args.retry_after_s)
+        if error.code == grpc.StatusCode.INTERNAL:  # our fault: keep the traceback
+            log.error("gRPC request failed", exc_info=e)
+        return error
 
     async def _grpc_engines_running(self) -> bool:
         """Serve's own view: every engine deployment has a RUNNING replica.

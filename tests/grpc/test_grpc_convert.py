@@ -1,0 +1,91 @@
+"""gRPC messages -> the HTTP request models, and failures -> status codes (no Ray cluster)."""
+
+import grpc
+import pytest
+from ray.exceptions import RayActorError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+
+from app.engine.request import OverloadedError, RequestDelta
+from app.serve.grpc_convert import (
+    MalformedRequest,
+    UsageCounter,
+    grpc_error,
+    http_body,
+    parsed,
+    stream_message,
+)
+from app.serve.grpc_gen.slimserve.v1 import generation_pb2 as pb
+from app.serve.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest
+
+
+def test_unset_sampling_fields_take_the_http_defaults():
+    body = http_body(pb.GenerateRequest(text="hi"), "tiny")
+    assert isinstance(body, CompletionRequest) and body.model == "tiny"
+    want = CompletionRequest(model="tiny", prompt="hi").to_params()
+    assert body.to_params() == want
+
+
+def test_set_fields_reach_the_engine_params():
+    sampling = pb.SamplingParams(
+        max_tokens=7, temperature=0, top_k=5, n=2, seed=3, stop=["x"], logprobs=0
+    )
+    params = http_body(
+        pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2]), sampling=sampling), "m"
+    )
+    params = params.to_params()
+    assert (params.max_tokens, params.temperature, params.top_k, params.n) == (7, 0, 5, 2)
+    assert (params.seed, params.stop, params.logprobs) == (3, ["x"], 0)
+
+
+def test_chat_logprobs_map_to_top_logprobs():
+    chat = pb.Chat(messages=[pb.ChatMessage(role="user", content="hi")])
+    req = pb.GenerateRequest(chat=chat, sampling=pb.SamplingParams(logprobs=3))
+    body = http_body(req, "m")
+    assert isinstance(body, ChatCompletionRequest) and body.to_params().logprobs == 3
+    bad = pb.GenerateRequest(chat=chat, sampling=pb.SamplingParams(logprobs=30))
+    with pytest.raises(APIError, match=r"^sampling\.logprobs"):
+        http_body(bad, "m")
+
+
+@pytest.mark.parametrize(
+    "exc,code",
+    [
+        (BackPressureError(num_queued_requests=3, max_queued_requests=3), "RESOURCE_EXHAUSTED"),
+        (OverloadedError("queue full"), "RESOURCE_EXHAUSTED"),
+        (RayActorError(), "UNAVAILABLE"),
+        (DeploymentUnavailableError(None), "UNAVAILABLE"),
+        (TimeoutError(), "DEADLINE_EXCEEDED"),
+        (ValueError("max_tokens must be >= 1"), "INVALID_ARGUMENT"),
+        (APIError(404, "no such model"), "NOT_FOUND"),
+        (APIError(401, "no key"), "UNAUTHENTICATED"),
+        (KeyError("bug"), "INTERNAL"),  # only the server's own faults
+    ],
+)
+def test_failures_map_to_status_codes(exc, code):
+    error = grpc_error(exc, retry_after_s=2)
+    assert error.code == getattr(grpc.StatusCode, code)
+    retryable = code in ("RESOURCE_EXHAUSTED", "UNAVAILABLE")
+    assert (("retry-after", "2") in error.trailers) == retryable
+    assert ("retry after 2s" in error.message) == retryable
+
+
+def test_malformed_request_is_invalid_argument():
+    with pytest.raises(APIError) as e:
+        parsed(MalformedRequest("String field had bad UTF-8"))
+    assert e.value.status == 400 and "UTF-8" in e.value.message
+
+
+def test_usage_goes_on_the_last_delta_of_the_last_choice():
+    counter = UsageCounter(num_prompt=5, num_choices=2)
+    deltas = [
+        RequestDelta("r", 0, [1], "a", num_cached_tokens=16),
+        RequestDelta("r", 1, [2], "b", num_cached_tokens=16),
+        RequestDelta("r", 0, [3], "c", finished=True, finish_reason="stop"),
+        RequestDelta("r", 1, [4], "d", finished=True, finish_reason="length"),
+    ]
+    assert [counter.add(d) for d in deltas] == [False, False, False, True]
+    usage = counter.usage()
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.cached_prompt_tokens) == (5, 4, 16)
+    last = stream_message(deltas[-1], "r")
+    assert last.finish_reason == pb.FINISH_REASON_LENGTH and list(last.token_ids) == [4]
+    assert stream_message(deltas[0], "r").finish_reason == pb.FINISH_REASON_UNSPECIFIED
