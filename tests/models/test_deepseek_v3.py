@@ -113,7 +113,7 @@ def test_fp8_kv_cache_within_bounds(path, full):
     # Measured: mean |err| 6.8% of the logits' std, KL 6.3e-3, top-1 92%. With every layer
     # dense the same cache gives 3.2% / 7e-4 / 100%: MoE routing flips amplify the error.
     assert mean_err < 0.12 and kl < 0.012 and top1 >= 0.8
-    assert teacher_forced_agreement(fp8, full, PROMPTS, GREEDY) >= 0.8  # measured 0.92
+    assert teacher_forced_agreement(fp8, full, PROMPTS, GREEDY) >= 0.8  # measured 0.94
 
 
 def test_int4_experts_within_bounds(path, full, tmp_path):
@@ -127,7 +127,7 @@ def test_int4_experts_within_bounds(path, full, tmp_path):
     # Measured (RTN, group 32, symmetric, as Kimi K2): mean |err| 9.0% of std, KL 6.8e-3,
     # top-1 80%.
     assert 0 < mean_err < 0.15 and kl < 0.014 and top1 >= 0.7
-    assert teacher_forced_agreement(llm, full, PROMPTS, GREEDY) >= 0.75  # measured 0.85
+    assert teacher_forced_agreement(llm, full, PROMPTS, GREEDY) >= 0.7  # measured 0.83
 
 
 def engine(path, kv_dtype="fp8_e4m3") -> Engine:

@@ -80,7 +80,7 @@ def test_fp8_kv_cache_within_bounds(path, full):
     # Measured: mean |err| 7.4% of the logits' std, KL 2.7e-3, top-1 82%; MoE routing flips
     # near-tied experts, so this is ~2x a dense model's error at the same KV precision.
     assert mean_err < 0.12 and kl < 6e-3 and top1 >= 0.75
-    assert teacher_forced_agreement(fp8, full, PROMPTS, GREEDY) >= 0.8  # measured 0.88
+    assert teacher_forced_agreement(fp8, full, PROMPTS, GREEDY) >= 0.8  # measured 0.90
 
 
 def test_int4_experts_within_bounds(path, full, tmp_path):
@@ -94,4 +94,4 @@ def test_int4_experts_within_bounds(path, full, tmp_path):
     mean_err, kl, top1 = logit_errors(llm.engine.score(SCORED), full.engine.score(SCORED))
     # Measured (RTN, group 32, symmetric): mean |err| 5.7% of std, KL 1.2e-3, top-1 87%.
     assert 0 < mean_err < 0.1 and kl < 3e-3 and top1 >= 0.75
-    assert teacher_forced_agreement(llm, full, PROMPTS, GREEDY) >= 0.8  # measured 0.88
+    assert teacher_forced_agreement(llm, full, PROMPTS, GREEDY) >= 0.75  # measured 0.875
