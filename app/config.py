@@ -140,6 +140,7 @@ class EngineConfig:
     weight_quant: str | None = None  # None | "int4"
     attention_backend: str = "auto"  # auto | torch | reference | triton
     tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False  # MoE: whole experts partitioned across TP ranks
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -147,6 +148,8 @@ class EngineConfig:
     def __post_init__(self):
         if self.weight_quant not in (None, "int4"):
             raise ValueError(f"weight_quant must be None or 'int4', got {self.weight_quant!r}")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.attention_backend not in ("auto", "torch", "reference", "triton"):
             raise ValueError(f"unknown attention_backend {self.attention_backend!r}")
 

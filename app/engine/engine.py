@@ -21,25 +21,43 @@ from app.engine.sampler import sample_batch
 from app.engine.sampling_params import SamplingParams
 from app.engine.scheduler import Scheduler
 from app.engine.sequence import SeqStatus, Sequence
+from app.engine.tp_driver import min_over_ranks
 from app.models.loader import load_model
+from app.models.parallel import SINGLE
 from app.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, progress: bool = False):
+    def __init__(self, config: EngineConfig, progress: bool = False, tp_group=None):
+        """tp_group: this process's place in a tensor-parallel replica (app/engine/workers.py);
+        None starts the local workers when config.tensor_parallel_size > 1."""
         self.config = config
-        self.device = config.resolved_device()
+        if tp_group is None and config.tensor_parallel_size > 1:
+            from app.engine.workers import start_local_workers
+
+            tp_group = start_local_workers(config)
+        self.tp_group = tp_group
+        self.tp_ctx = tp_group.ctx if tp_group is not None else SINGLE
+        self.device = tp_group.device if tp_group is not None else config.resolved_device()
         self.dtype = config.resolved_dtype()
+        try:
+            self._build(config, progress)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _build(self, config: EngineConfig, progress: bool) -> None:
         self.model, self.model_config = load_model(
-            config.model, self.dtype, self.device, progress=progress
+            config.model, self.dtype, self.device, self.tp_ctx, progress=progress
         )
         self._maybe_quantize()
         self.tokenizer = Tokenizer.from_path(config.model, self.model_config.eos_token_ids)
         self.fingerprint = model_fingerprint(config.model, self.dtype, config.weight_quant)
         self.kv_spec = self._kv_spec(self.model_config)
-        self.cache = KVCache(self.kv_spec, self._num_blocks(), self.device)
+        num_blocks = min_over_ranks(self._num_blocks(), self.tp_ctx, self.device)
+        self.cache = KVCache(self.kv_spec, num_blocks, self.device)
         self.blocks = BlockManager(
             self.cache.num_blocks, self.kv_spec.block_size, config.cache.enable_prefix_caching
         )
@@ -48,6 +66,8 @@ class Engine:
         self.runner = ModelRunner(
             self.model, self.cache, ops, self.model_config.head_dim, self.device
         )
+        if self.tp_group is not None:  # rank 0 wraps both to drive the other ranks
+            self.cache, self.runner = self.tp_group.attach(self.cache, self.runner)
         eos = eos_token_ids(
             config.model, self.model_config.eos_token_ids, self.tokenizer.eos_token_ids
         )
@@ -69,10 +89,11 @@ class Engine:
             return self.model.kv_cache_spec(block_size, dtype)
         return KVCacheSpec(
             num_layers=cfg.num_hidden_layers,
-            num_kv_heads=cfg.num_key_value_heads,
+            num_kv_heads=self.tp_ctx.kv_heads(cfg.num_key_value_heads)[1],  # this rank's
             head_dim=cfg.head_dim,
             block_size=block_size,
             dtype=dtype,
+            total_kv_heads=cfg.num_key_value_heads,
         )
 
     def _num_blocks(self) -> int:
@@ -87,6 +108,12 @@ class Engine:
     @property
     def salt_base(self) -> tuple[str, str, str]:
         return self.fingerprint, self.kv_spec.dtype_name, self.kv_spec.layout
+
+    def shutdown(self) -> None:
+        """Stops the tensor-parallel workers (no-op for one process); idempotent."""
+        group, self.tp_group = getattr(self, "tp_group", None), None
+        if group is not None:
+            group.shutdown()
 
     # --- the engine API -----------------------------------------------------------
     def add_request(self, request: Request) -> None:

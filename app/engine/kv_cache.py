@@ -27,6 +27,10 @@ class KVCacheSpec:
     block_size: int
     dtype: torch.dtype
     use_mla: bool = False  # one plane (latent + rope key); V aliases it
+    # KV heads of the whole model (0: num_kv_heads). Exported chunks always carry all of them
+    # (tensor-parallel ranks gather theirs on rank 0), so the chunk layout is "tp1" whatever
+    # the replica's TP size: prefill and decode replicas may use different TP sizes.
+    total_kv_heads: int = 0
 
     @property
     def is_fp8(self) -> bool:
@@ -51,10 +55,14 @@ class KVCacheSpec:
         return "fp8_e4m3" if self.is_fp8 else str(self.dtype).removeprefix("torch.")
 
     @property
+    def chunk_kv_heads(self) -> int:
+        return self.total_kv_heads or self.num_kv_heads
+
+    @property
     def layout(self) -> str:
         """Names everything a reader of exported KV must agree on."""
         return (
-            f"{LAYOUT_VERSION}:L{self.num_layers}:H{self.num_kv_heads}:D{self.head_dim}"
+            f"{LAYOUT_VERSION}:L{self.num_layers}:H{self.chunk_kv_heads}:D{self.head_dim}"
             f":B{self.block_size}:tp1" + (":mla" if self.use_mla else "")
         )
 

@@ -32,16 +32,19 @@ class LLM:
         weight_quant: str | None = None,
         attention_backend: str = "auto",
         tensor_parallel_size: int = 1,
+        enable_expert_parallel: bool = False,
         show_progress: bool = False,
     ):
-        if tensor_parallel_size != 1:
-            raise NotImplementedError("tensor_parallel_size > 1 is not supported yet")
+        """tensor_parallel_size > 1 starts that many local ranks (this process is rank 0;
+        gloo on CPU, NCCL on GPUs); call shutdown() or use `with LLM(...) as llm:`."""
         config = EngineConfig(
             model=model,
             dtype=dtype,
             device=device,
             weight_quant=weight_quant,
             attention_backend=attention_backend,
+            tensor_parallel_size=tensor_parallel_size,
+            enable_expert_parallel=enable_expert_parallel,
             cache=CacheConfig(
                 block_size=block_size,
                 kv_cache_dtype=kv_cache_dtype,
@@ -57,6 +60,16 @@ class LLM:
         self.engine = Engine(config, progress=show_progress)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stops the tensor-parallel worker processes (a no-op with one rank)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     def _tokens(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

@@ -77,8 +77,13 @@ class ModelRunner:
         all_rows: logits of every new token instead (scoring), and no sequence to sample.
         """
         inp = self.prepare(batch, all_rows)
+        return self.forward(inp), inp.sampled
+
+    @torch.inference_mode()
+    def forward(self, inp: BatchInputs) -> torch.Tensor:
+        """The forward pass alone (tensor-parallel workers run it on rank 0's inputs)."""
         attn = PagedAttention(self.ops, self.cache, inp.meta, self.scale)
         hidden = self.model(inp.ids, inp.positions, attn)  # [T, hidden]
         if not len(inp.sample_rows):
-            return hidden.new_empty(0, 0, dtype=torch.float32), []
-        return self.model.compute_logits(hidden[inp.sample_rows]), inp.sampled
+            return hidden.new_empty(0, 0, dtype=torch.float32)
+        return self.model.compute_logits(hidden[inp.sample_rows])

@@ -11,16 +11,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from app.models.parallel import SINGLE, TPContext
+from app.models.parallel_load import materialize
 
 
 def _param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
-def _copy_into(param: torch.Tensor, loaded: torch.Tensor) -> None:
+def _copy_into(param: torch.Tensor, loaded) -> None:
+    """loaded: a tensor or a LazyTensor already narrowed to this rank's slice (read here)."""
     if param.shape != loaded.shape:
         raise ValueError(f"checkpoint tensor shape {tuple(loaded.shape)} != {tuple(param.shape)}")
-    param.data.copy_(loaded)
+    param.data.copy_(materialize(loaded))
 
 
 class LinearBase(nn.Module):
@@ -84,10 +86,7 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     def __init__(self, hidden: int, head_dim: int, n_heads: int, n_kv: int, bias=False, tp=SINGLE):
         self.n_heads = tp.split(n_heads, "num_attention_heads")
-        self.n_kv = max(1, n_kv // tp.size)
-        if n_kv >= tp.size:
-            tp.split(n_kv, "num_key_value_heads")
-        self.kv_replicas = max(1, tp.size // n_kv)
+        self.kv_start, self.n_kv = tp.kv_heads(n_kv)  # first KV head of this rank, count
         self.head_dim = head_dim
         out = (self.n_heads + 2 * self.n_kv) * head_dim * tp.size
         super().__init__(hidden, out, bias, tp)
@@ -99,15 +98,20 @@ class QKVParallelLinear(ColumnParallelLinear):
             offset, size, start = 0, q, self.tp.rank * q
         else:
             offset = q if shard_id == "k" else q + kv
-            size, start = kv, (self.tp.rank // self.kv_replicas) * kv
+            size, start = kv, self.kv_start * d
         _copy_into(param.data.narrow(0, offset, size), loaded.narrow(0, start, size))
 
 
 class RowParallelLinear(LinearBase):
-    """Input features split across ranks; partial sums are all-reduced, then bias added."""
+    """Input features split across ranks; partial sums are all-reduced, then bias added.
 
-    def __init__(self, in_f: int, out_f: int, bias=False, tp=SINGLE):
+    reduce_results=False leaves the partial sum (the caller reduces once for many layers,
+    e.g. all experts of a MoE layer)."""
+
+    def __init__(self, in_f: int, out_f: int, bias=False, tp=SINGLE, reduce_results=True):
         super().__init__(tp.split(in_f, "input features"), out_f, bias, tp)
+        self.reduce_results = reduce_results
+        assert reduce_results or not bias, "an unreduced partial sum cannot take a bias"
 
     def weight_loader(self, param, loaded, shard_id=None):
         if param.dim() == 1:  # bias is not split
@@ -116,7 +120,8 @@ class RowParallelLinear(LinearBase):
         _copy_into(param, loaded.narrow(1, self.tp.rank * n, n))
 
     def forward(self, x):
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        y = F.linear(x, self.weight)
+        y = self.tp.all_reduce(y) if self.reduce_results else y
         return y + self.bias if self.bias is not None else y
 
 
@@ -133,9 +138,9 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param, loaded, shard_id=None):
-        rows = loaded[self.start : self.start + self.vocab_per_rank]
+        rows = loaded[self.start : self.start + self.vocab_per_rank]  # the last rank: fewer
         param.data.zero_()
-        param.data[: rows.shape[0]].copy_(rows)
+        param.data[: rows.shape[0]].copy_(materialize(rows))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:

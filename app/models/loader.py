@@ -14,6 +14,7 @@ from tqdm import tqdm
 
 from app.config import ModelConfig
 from app.models.parallel import SINGLE, TPContext
+from app.models.parallel_load import LazyTensor, materialize
 from app.models.registry import model_class
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,21 @@ def iter_checkpoint(path: str, progress: bool = False) -> Iterator[tuple[str, to
                 yield name, f.get_tensor(name)
 
 
+def iter_checkpoint_lazy(path: str, progress: bool = False) -> Iterator[tuple[str, LazyTensor]]:
+    """Like iter_checkpoint, but nothing is read until a weight loader copies its slice."""
+    for file in tqdm(safetensors_files(path), desc="loading shards", disable=not progress):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                part = f.get_slice(name)
+                yield name, LazyTensor(part, tuple(part.get_shape()))
+
+
+def _read_where(stream, wanted) -> Iterator[tuple[str, torch.Tensor]]:
+    """Reads in full the lazy tensors `wanted(name)` picks (e.g. packed INT4 parts)."""
+    for name, t in stream:
+        yield name, (materialize(t) if wanted(name) else t)
+
+
 def _route(model: nn.Module, name: str) -> tuple[str, object]:
     """Checkpoint name -> (our parameter name, shard id) via packed_modules_mapping."""
     for fragment, (ours, shard) in getattr(model, "packed_modules_mapping", {}).items():
@@ -45,10 +61,12 @@ def _route(model: nn.Module, name: str) -> tuple[str, object]:
 
 
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """weights: tensors or LazyTensors (each weight_loader reads only its rank's slice)."""
     params = dict(model.named_parameters())
+    skips = getattr(model, "skips_weight", None)  # e.g. experts owned by another EP rank
     loaded: set[str] = set()
     for name, tensor in weights:
-        if name.endswith(IGNORED_SUFFIXES):
+        if name.endswith(IGNORED_SUFFIXES) or (skips is not None and skips(name)):
             continue
         target, shard = _route(model, name)
         if target not in params:
@@ -80,10 +98,17 @@ def load_model(
 ) -> tuple[nn.Module, ModelConfig]:
     cfg = ModelConfig.from_path(path)
     model = build_model(cfg, dtype, device, tp)
-    weights = iter_checkpoint(path, progress)
+    weights = iter_checkpoint_lazy(path, progress)
+    skips = getattr(model, "skips_weight", None)
+    if skips is not None:  # another rank's experts are never read
+        weights = ((n, t) for n, t in weights if not skips(n))
     if cfg.quantization_config:  # INT4 / FP8 checkpoints: app.quant swaps modules, converts
         from app.quant.formats import prepare_quantized
 
-        weights = prepare_quantized(model, cfg.quantization_config, path, dtype)(weights)
+        convert = prepare_quantized(model, cfg.quantization_config, path, dtype)
+        # Converted modules (packed INT4, FP8) are read whole, one module at a time, then
+        # narrowed by the weight loaders; every other tensor stays a lazy slice.
+        parts = getattr(convert, "parts_of", {})
+        weights = convert(_read_where(weights, lambda n: n.rpartition(".")[0] in parts))
     load_weights(model, weights)
     return model, cfg

@@ -15,6 +15,8 @@ through `packed_modules_mapping` and INT4 swaps them by module replacement (`app
 
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -29,14 +31,16 @@ from app.models.layers import (
 )
 from app.models.parallel import SINGLE, TPContext
 
+_EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
+
 
 class GatedMLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)); the intermediate dim is split across ranks."""
 
-    def __init__(self, hidden: int, intermediate: int, tp: TPContext = SINGLE):
+    def __init__(self, hidden: int, intermediate: int, tp: TPContext = SINGLE, reduce=True):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate] * 2, tp=tp)
-        self.down_proj = RowParallelLinear(intermediate, hidden, tp=tp)
+        self.down_proj = RowParallelLinear(intermediate, hidden, tp=tp, reduce_results=reduce)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -114,37 +118,53 @@ def _copy_fp32(param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None
     param.data.copy_(loaded.float())
 
 
+class AbsentExpert(nn.Module):
+    """Placeholder for a routed expert another expert-parallel rank owns (no parameters)."""
+
+
 class MoE(nn.Module):
     """Routed experts + shared experts: `mlp.experts.{e}`, `mlp.gate`, `mlp.shared_experts`.
 
-    Under tensor parallelism every expert's intermediate dim is split across ranks and each
-    down_proj all-reduces (ranks route identically, so they issue the same collectives).
+    Tokens are replicated on every rank (attention ends in an all-reduce) and every rank
+    routes them identically. Tensor parallel: each expert's intermediate dim is split across
+    ranks. Expert parallel (tp.expert_parallel): each rank owns E / size whole experts and
+    runs only the (token, expert) pairs routed to them. Either way a rank's routed + shared
+    output is a partial sum, reduced by ONE all-reduce per layer (docs/parallelism.md).
     """
 
     def __init__(self, cfg: ModelConfig, tp: TPContext = SINGLE):
         super().__init__()
         raw, h = cfg.raw, cfg.hidden_size
         inter = raw["moe_intermediate_size"]
+        self.tp = tp
         self.gate = TopKRouter(cfg)
-        self.experts = nn.ModuleList(GatedMLP(h, inter, tp) for _ in range(self.gate.num_experts))
+        self.local = tp.experts(self.gate.num_experts)  # the routed experts this rank runs
+        expert_tp = SINGLE if tp.expert_parallel else tp  # EP: whole experts
+        self.experts = nn.ModuleList(
+            GatedMLP(h, inter, expert_tp, reduce=False) if e in self.local else AbsentExpert()
+            for e in range(self.gate.num_experts)
+        )
         shared = raw.get("n_shared_experts") or 0
-        self.shared_experts = GatedMLP(h, inter * shared, tp) if shared else None
+        self.shared_experts = GatedMLP(h, inter * shared, tp, reduce=False) if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, hidden]
         weights, ids = self.gate(x)  # [T, k] float32, [T, k] int64
         out = self.routed(x, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        return out
+        return self.tp.all_reduce(out)
 
     def routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        k = ids.shape[1]
+        """This rank's experts' weighted outputs: [T, hidden] (a partial sum under TP/EP)."""
+        k, lo, hi = ids.shape[1], self.local.start, self.local.stop
         flat = ids.flatten()  # [T*k]: row r is token r // k's (r % k)-th expert
         order = flat.argsort(stable=True)  # rows grouped by expert
-        token = order // k  # [T*k] source token of each grouped row
         counts = torch.bincount(flat, minlength=len(self.experts)).tolist()  # one host sync
-        parts = x.index_select(0, token).split(counts)  # per expert: [n_e, hidden]
-        ys = torch.cat([self.experts[e](p) if len(p) else p for e, p in enumerate(parts)])
+        order = order[sum(counts[:lo]) : sum(counts[:hi])]  # rows of the local experts
+        token = order // k  # source token of each grouped row
+        parts = x.index_select(0, token).split(counts[lo:hi])  # per expert: [n_e, hidden]
+        ys = [self.experts[lo + i](p) if len(p) else p for i, p in enumerate(parts)]
+        ys = torch.cat(ys) if ys else x.new_empty(0, x.shape[1])
         ys = (ys.float() * weights.flatten()[order].unsqueeze(1)).to(x.dtype)
         return torch.zeros_like(x).index_add_(0, token, ys)
 
@@ -199,12 +219,18 @@ class MoECausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = MoEModel(cfg, tp, lambda i: self.make_attention(cfg, i, tp))
+        self._local_experts = tp.experts(cfg.raw["n_routed_experts"])
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def make_attention(self, cfg: ModelConfig, layer: int, tp: TPContext) -> nn.Module:
         raise NotImplementedError
+
+    def skips_weight(self, name: str) -> bool:
+        """True for checkpoint tensors of routed experts another expert-parallel rank owns."""
+        m = _EXPERT.search(name)
+        return m is not None and int(m.group(1)) not in self._local_experts
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
         """ids, positions: [T] -> hidden states [T, hidden]."""

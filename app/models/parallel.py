@@ -1,7 +1,8 @@
 """Tensor-parallel context: which rank this process is and how to talk to the others.
 
 With `size == 1` (the default) every collective is a no-op, so single-process code pays
-nothing for being tensor-parallel-ready.
+nothing for being tensor-parallel-ready. `expert_parallel` makes MoE layers partition their
+routed experts across the same ranks instead of splitting each expert (docs/parallelism.md).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ class TPContext:
     rank: int = 0
     size: int = 1
     group: Any = None
+    expert_parallel: bool = False
 
     def __post_init__(self):
         assert 0 <= self.rank < self.size, "rank must lie in [0, size)"
@@ -39,6 +41,25 @@ class TPContext:
         if n % self.size:
             raise ValueError(f"{what}={n} is not divisible by tensor_parallel_size={self.size}")
         return n // self.size
+
+    def kv_heads(self, total: int) -> tuple[int, int]:
+        """(first KV head, KV heads) this rank holds: a slice when total >= size, else one
+        head replicated on size // total consecutive ranks."""
+        if total >= self.size:
+            n = self.split(total, "num_key_value_heads")
+            return self.rank * n, n
+        if self.size % total:
+            raise ValueError(
+                f"num_key_value_heads={total} must divide tensor_parallel_size={self.size}"
+            )
+        return self.rank // (self.size // total), 1
+
+    def experts(self, total: int) -> range:
+        """Routed experts this rank owns: all of them unless expert-parallel."""
+        if not self.expert_parallel:
+            return range(total)
+        n = self.split(total, "n_routed_experts")
+        return range(self.rank * n, (self.rank + 1) * n)
 
 
 SINGLE = TPContext()

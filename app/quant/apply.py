@@ -62,6 +62,13 @@ def linear_modules(model: nn.Module, skip: Iterable[str] = ()) -> dict[str, nn.M
     }
 
 
+def _row_shards(layer: nn.Module) -> int:
+    """How many ranks split this layer's input features (row-parallel), else 1."""
+    from app.models.layers import RowParallelLinear
+
+    return layer.tp.size if isinstance(layer, RowParallelLinear) else 1
+
+
 def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
     parent, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, child, new)
@@ -88,9 +95,11 @@ def quantize_model(
     done: dict[str, int] = {}
     layers = linear_modules(model, skip)
     for name, layer in tqdm(layers.items(), desc="quantizing", disable=not progress):
-        g = _group_for(layer.in_features, group_size, fallback_group)
+        # Groups are chosen on the full (unsharded) input so every TP size quantizes alike.
+        full_in = layer.in_features * _row_shards(layer)
+        g = _group_for(full_in, group_size, fallback_group)
         if g is None:
-            log.warning("%s: in_features=%d fits no group; left dense", name, layer.in_features)
+            log.warning("%s: in_features=%d fits no group; left dense", name, full_in)
             continue
         w = layer.weight.data
         if hessians is not None and name in hessians:

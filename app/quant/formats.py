@@ -154,6 +154,9 @@ def prepare_quantized(
     fmt = plan.make_format(dtype)
     names = set(shapes)
     prefixes = sorted({n.rpartition(".")[0] for n in names if n.endswith("." + fmt.marker)})
+    skips = getattr(model, "skips_weight", None)  # experts owned by another EP rank
+    if skips is not None:
+        prefixes = [p for p in prefixes if not skips(p)]
     if not prefixes:
         raise ValueError(
             f"quantization_config says {plan.describe()} but no tensor ends in .{fmt.marker}"

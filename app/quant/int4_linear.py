@@ -119,7 +119,11 @@ class Int4Linear(nn.Module):
     ):
         super().__init__()
         if in_features % group_size or group_size % 8:
-            raise ValueError(f"in_features={in_features} incompatible with group {group_size}")
+            shard = f" per rank (tensor_parallel_size={tp.size})" if tp.size > 1 else ""
+            raise ValueError(
+                f"in_features={in_features}{shard} incompatible with INT4 group {group_size}: "
+                "a group may not straddle ranks, so the group must divide each rank's shard"
+            )
         if act_order and reduce_output and tp.size > 1:
             raise NotImplementedError("act-order INT4 with row-parallel tensor parallelism")
         dtype = params_dtype or torch.get_default_dtype()
@@ -170,7 +174,7 @@ class Int4Linear(nn.Module):
                 params_dtype=layer.weight.dtype,
                 weight_loader=getattr(layer, "weight_loader", None),
                 tp=getattr(layer, "tp", SINGLE),
-                reduce_output=isinstance(layer, RowParallelLinear),
+                reduce_output=isinstance(layer, RowParallelLinear) and layer.reduce_results,
                 gather_output=getattr(layer, "gather_output", False),
             )
 

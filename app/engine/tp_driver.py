@@ -1,0 +1,230 @@
+"""Rank 0 of a tensor-parallel replica drives the other ranks (no Ray here).
+
+Rank 0 runs the whole engine (scheduler, block manager, sampler); every other rank holds only
+its shard of the model and of the KV cache and loops in `serve_rank`, executing the small
+messages rank 0 broadcasts: one `Step` per forward pass (the prepared batch inputs), and
+`WriteKV` / `ReadKV` for KV import and export. Chunks always carry full KV heads: rank 0
+gathers the ranks' head slices on export and each rank keeps its slice on import, so the
+chunk layout does not depend on the TP size (docs/parallelism.md).
+
+Messages travel with `broadcast_object_list` on a gloo group (CPU; with NCCL the model's
+collectives use their own group): they stay inside one replica's processes, never a trust
+boundary. A rank that dies makes rank 0 raise `TPWorkerError` instead of hanging: rank 0
+checks its workers before every message and after any failed collective, and the process
+group has a finite timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from app.engine.kv_cache import KVCache
+from app.engine.model_runner import BatchInputs, ModelRunner
+from app.models.parallel import TPContext
+
+
+class TPWorkerError(RuntimeError):
+    """A tensor-parallel worker rank died or stopped answering; the replica is unusable."""
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    inputs: BatchInputs  # with sampled == [] (sequences stay on rank 0)
+
+    def run(self, engine) -> None:
+        engine.runner.forward(self.inputs)
+
+
+@dataclass(frozen=True, slots=True)
+class WriteKV:
+    block_ids: list[int]
+    kv: torch.Tensor  # [L, P, n, H_total, D] full heads
+    scales: torch.Tensor | None
+
+    def run(self, engine) -> None:
+        write_local(engine.cache, self.block_ids, self.kv, self.scales, engine.tp_ctx)
+
+
+@dataclass(frozen=True, slots=True)
+class ReadKV:
+    block_ids: list[int]
+    num_tokens: int
+
+    def run(self, engine) -> None:
+        gather_heads(engine.cache, self.block_ids, self.num_tokens, engine.tp_ctx)
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    def run(self, engine) -> None:  # pragma: no cover - handled by serve_rank
+        raise AssertionError
+
+
+def _rank_heads(cache: KVCache, ctx: TPContext) -> slice:
+    if cache.spec.use_mla:  # the latent is replicated: every rank holds the one "head"
+        return slice(None)
+    first, n = ctx.kv_heads(cache.spec.chunk_kv_heads)
+    return slice(first, first + n)
+
+
+def write_local(cache: KVCache, block_ids, kv, scales, ctx: TPContext) -> None:
+    """Keeps this rank's KV heads of full-head chunk tensors."""
+    heads = _rank_heads(cache, ctx)
+    kv = kv[:, :, :, heads].to(cache.kv.device)
+    scales = None if scales is None else scales[:, :, :, heads].to(cache.kv.device)
+    cache.write_tokens(block_ids, kv, scales)
+
+
+def _gather(local: torch.Tensor, ctx: TPContext) -> list[torch.Tensor]:
+    raw = local.view(torch.uint8) if local.dtype == torch.float8_e4m3fn else local
+    parts = [torch.empty_like(raw) for _ in range(ctx.size)]
+    dist.all_gather(parts, raw.contiguous(), group=ctx.group)
+    return [p.view(local.dtype) for p in parts]
+
+
+def gather_heads(cache: KVCache, block_ids, num_tokens: int, ctx: TPContext):
+    """Every rank calls it; returns full-head (kv, scales) [L, P, n, H_total, D(, )]."""
+    kv, scales = cache.read_tokens(block_ids, num_tokens)
+    if cache.spec.use_mla:
+        return kv, scales
+    # One part per distinct head slice (replicated KV heads are taken once), in head order.
+    firsts = [
+        dataclasses.replace(ctx, rank=r).kv_heads(cache.spec.chunk_kv_heads)[0]
+        for r in range(ctx.size)
+    ]
+    keep = [firsts.index(f) for f in sorted(set(firsts))]
+    kv_parts = _gather(kv, ctx)
+    kv = torch.cat([kv_parts[r] for r in keep], dim=3)
+    if scales is not None:
+        sc_parts = _gather(scales, ctx)
+        scales = torch.cat([sc_parts[r] for r in keep], dim=3)
+    return kv, scales
+
+
+class TPDriver:
+    """Rank 0's handle on its workers: broadcasts messages, reports dead ranks."""
+
+    def __init__(
+        self,
+        ctx: TPContext,
+        device: torch.device,
+        control_group: Any,
+        dead_workers: Callable[[], list[str]],
+        close: Callable[[], None],
+    ):
+        self.ctx, self.device, self.control_group = ctx, device, control_group
+        self._dead_workers, self._close = dead_workers, close
+        self.failed: str | None = None
+
+    def check(self) -> None:
+        if self.failed is None:
+            dead = self._dead_workers()
+            if dead:
+                self.failed = "tensor-parallel worker " + "; ".join(dead)
+        if self.failed is not None:
+            raise TPWorkerError(f"{self.failed}: this replica must be restarted")
+
+    def send(self, msg) -> None:
+        self.check()
+        with self.guard():
+            dist.broadcast_object_list([msg], src=0, group=self.control_group)
+
+    def guard(self):
+        return _Guard(self)
+
+    def attach(self, cache: KVCache, runner: ModelRunner):
+        return ShardedKVCache(cache, self), DriverRunner(runner, self)
+
+    def shutdown(self) -> None:
+        if self.failed is None:
+            with contextlib.suppress(TPWorkerError, RuntimeError):
+                self.send(Stop())
+        self._close()
+
+
+class _Guard:
+    """Turns a failed collective into TPWorkerError when a worker is gone."""
+
+    def __init__(self, driver: TPDriver):
+        self.driver = driver
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, exc, tb):
+        if exc is not None and not isinstance(exc, TPWorkerError):
+            try:
+                self.driver.check()
+            except TPWorkerError as dead:
+                raise dead from exc
+            self.driver.failed = f"collective failed ({exc})"
+            raise TPWorkerError(f"{self.driver.failed}: this replica must be restarted") from exc
+        return False
+
+
+class DriverRunner:
+    """ModelRunner on rank 0: broadcasts each step's inputs before running it."""
+
+    def __init__(self, runner: ModelRunner, driver: TPDriver):
+        self.runner, self.driver = runner, driver
+
+    def __getattr__(self, name):
+        return getattr(self.runner, name)
+
+    @torch.inference_mode()
+    def execute(self, batch, all_rows: bool = False):
+        inp = self.runner.prepare(batch, all_rows)
+        return self.forward(inp), inp.sampled
+
+    def forward(self, inp: BatchInputs) -> torch.Tensor:
+        self.driver.send(Step(dataclasses.replace(inp, sampled=[])))
+        with self.driver.guard():
+            return self.runner.forward(inp)
+
+
+class ShardedKVCache:
+    """Rank 0's view of the cache: local shard for attention, full heads for chunks."""
+
+    def __init__(self, cache: KVCache, driver: TPDriver):
+        self.local, self.driver = cache, driver
+
+    def __getattr__(self, name):
+        return getattr(self.local, name)
+
+    def read_tokens(self, block_ids: list[int], num_tokens: int):
+        if self.local.spec.use_mla:
+            return self.local.read_tokens(block_ids, num_tokens)
+        self.driver.send(ReadKV(list(block_ids), num_tokens))
+        with self.driver.guard():
+            return gather_heads(self.local, block_ids, num_tokens, self.driver.ctx)
+
+    def write_tokens(self, block_ids: list[int], kv: torch.Tensor, scales) -> None:
+        cpu_scales = None if scales is None else scales.cpu()
+        self.driver.send(WriteKV(list(block_ids), kv.cpu(), cpu_scales))
+        write_local(self.local, block_ids, kv, scales, self.driver.ctx)
+
+
+def min_over_ranks(n: int, ctx: TPContext, device: torch.device) -> int:
+    """The smallest n of all ranks (e.g. KV blocks: every rank must hold the same count)."""
+    if ctx.size == 1:
+        return n
+    t = torch.tensor([n], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=ctx.group)
+    return int(t.item())
+
+
+def serve_rank(engine, control_group: Any) -> None:
+    """A worker rank's loop: run what rank 0 broadcasts until Stop."""
+    while True:
+        box = [None]
+        dist.broadcast_object_list(box, src=0, group=control_group)
+        if isinstance(box[0], Stop):
+            return
+        box[0].run(engine)

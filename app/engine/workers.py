@@ -1,0 +1,134 @@
+"""Local tensor-parallel ranks: rank 0 is this process, ranks 1..N-1 are spawned processes.
+
+`start_local_workers(config)` spawns the workers (torch.multiprocessing, "spawn"), joins the
+process group as rank 0 and returns the `TPDriver` the engine drives them with. Each worker
+builds the same `Engine` on its shard (`tp_group=WorkerRank(...)`) and loops in
+`serve_rank`. gloo on CPU; NCCL on CUDA (rank r on cuda:r) plus a gloo group for messages.
+Ray Serve replicas start the same `worker_main` in Ray actors instead (app/serve/tp_*.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from app.config import EngineConfig
+from app.engine.tp_driver import TPDriver, serve_rank
+from app.models.parallel import TPContext
+
+log = logging.getLogger(__name__)
+# Bounds every collective: a rank that stops answering becomes an error, not a hang. Loading a
+# large checkpoint happens between two collectives, so it must fit too.
+TIMEOUT_S = float(os.environ.get("SLIMSERVE_TP_TIMEOUT_S", "600"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_device(config: EngineConfig, local_rank: int) -> torch.device:
+    device = config.resolved_device()
+    if device.type == "cuda":
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return device
+
+
+def init_rank(config: EngineConfig, rank: int, init_method: str, device: torch.device):
+    """Joins the replica's process group -> (TPContext, group for control messages)."""
+    size = config.tensor_parallel_size
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(
+        backend,
+        init_method=init_method,
+        rank=rank,
+        world_size=size,
+        timeout=timedelta(seconds=TIMEOUT_S),
+    )
+    control = dist.new_group(backend="gloo") if backend == "nccl" else dist.group.WORLD
+    ctx = TPContext(rank, size, dist.group.WORLD, config.enable_expert_parallel)
+    return ctx, control
+
+
+@dataclass(slots=True)
+class WorkerRank:
+    """A worker's tp_group for Engine: its context; cache and runner stay local."""
+
+    ctx: TPContext
+    device: torch.device
+
+    def attach(self, cache, runner):
+        return cache, runner
+
+    def shutdown(self) -> None:
+        pass
+
+
+def worker_main(rank: int, config: EngineConfig, init_method: str, local_rank: int) -> None:
+    """Entry point of a worker rank (a spawned process or a Ray actor's thread)."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)  # ranks share the host's cores
+    from app.engine.engine import Engine
+
+    device = rank_device(config, local_rank)
+    ctx, control = init_rank(config, rank, init_method, device)
+    try:
+        engine = Engine(config, tp_group=WorkerRank(ctx, device))
+        serve_rank(engine, control)
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawned(rank: int, config: EngineConfig, init_method: str) -> None:
+    worker_main(rank, config, init_method, local_rank=rank)
+
+
+def start_local_workers(config: EngineConfig) -> TPDriver:
+    size = config.tensor_parallel_size
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    spawn = mp.get_context("spawn")
+    procs = [
+        spawn.Process(target=_spawned, args=(r, config, init_method), daemon=True)
+        for r in range(1, size)
+    ]
+    for p in procs:
+        p.start()
+    device = rank_device(config, 0)
+    try:
+        ctx, control = init_rank(config, 0, init_method, device)
+    except BaseException:
+        _stop(procs, 0)
+        raise
+
+    def dead_workers() -> list[str]:
+        return [
+            f"rank {r} (pid {p.pid}) exited with code {p.exitcode}"
+            for r, p in enumerate(procs, 1)
+            if not p.is_alive()
+        ]
+
+    def close() -> None:
+        _stop(procs, 30)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    return TPDriver(ctx, device, control, dead_workers, close)
+
+
+def _stop(procs: list[Any], wait_s: float) -> None:
+    for p in procs:
+        p.join(wait_s)
+        if p.is_alive():
+            log.warning("tensor-parallel worker pid %s did not exit; terminating", p.pid)
+            p.terminate()
+            p.join(5)
