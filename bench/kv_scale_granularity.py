@@ -65,6 +65,9 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default=None)
     ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument(
+        "--amplify", type=float, default=1.0, help="multiply K/V (real LLM keys reach 100s)"
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     path = args.model or default_model()
@@ -77,24 +80,30 @@ def main(argv=None) -> dict:
             ids = tok.encode(f.read()[:20000])[: args.tokens]
     else:
         ids = [3 + (i * 37) % 250 for i in range(args.tokens)]
-    kv = capture_kv(path, ids)
+    kv = [(k * args.amplify, v * args.amplify) for k, v in capture_kv(path, ids)]
     d = kv[0][0].shape[-1]
     rows = {}
     for name in options(kv[0][0]):
-        err, ref = 0.0, 0.0
+        err, ref, row_rel = 0.0, 0.0, []
         for k, v in kv:
             for x in (k, v):
-                err += (options(x)[name][0] - x).pow(2).sum().item()
+                diff = options(x)[name][0] - x
+                err += diff.pow(2).sum().item()
                 ref += x.pow(2).sum().item()
+                # per token-head: small heads drowned in a coarse scale show up here
+                row_rel.append((diff.norm(dim=-1) / x.norm(dim=-1).clamp_min(1e-12)).mean())
         scale_bytes = options(kv[0][0])[name][1]
         rows[name] = {
             "relative_rms_error": (err / ref) ** 0.5,
+            "mean_token_head_relative_error": float(torch.stack(row_rel).mean()),
             "capacity_vs_bf16_at_this_head_dim": 2 * d / (d + scale_bytes),
             "capacity_vs_bf16_at_head_dim_128": 256 / (128 + scale_bytes),
         }
         print(f"{name:34s} {rows[name]}")
-    result = {"model": path, "tokens": len(ids), "head_dim": d, "results": rows}
-    write_json("kv_scale_granularity", result, **({"out_dir": args.out} if args.out else {}))
+    result = {"model": path, "tokens": len(ids), "amplify": args.amplify, "head_dim": d}
+    result["results"] = rows
+    name = "kv_scale_granularity" + ("" if args.amplify == 1 else f"_x{args.amplify:g}")
+    write_json(name, result, **({"out_dir": args.out} if args.out else {}))
     return result
 
 
