@@ -51,8 +51,7 @@ def grpc_app(ray_session, args: dict, name: str, metadata):
         yield channel, f"http://127.0.0.1:{http_port}"
     finally:
         channel.close()
-        serve.delete(name)
-        serve.shutdown()
+        serve.shutdown()  # deletes the app too, without waiting on a replica still starting
         cfg = ServeArgs(**args)
         if cfg.mode == "disaggregated":
             with contextlib.suppress(Exception):

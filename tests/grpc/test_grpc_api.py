@@ -282,19 +282,36 @@ def test_overload_is_resource_exhausted_with_retry_info(served, stub):
             if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 refused.append(e)
 
-    try:
-        for _ in range(3 * (ENGINE_ONGOING + ENGINE_QUEUED)):  # one at a time: no burst
+    def open_streams(count: int) -> None:
+        for _ in range(count):
             call = stub.Generate(pb.GenerateRequest(text=PROMPT, sampling=LONG), metadata=KEY_A)
             calls.append(call)
             threading.Thread(target=hold, args=(call,), daemon=True).start()
-            time.sleep(0.1)
-            if refused:
+            time.sleep(0.05)
+
+    def complete_refused() -> grpc.RpcError | None:
+        quick = pb.GenerateRequest(text="hi", sampling=greedy(1))
+        try:  # a queued (not refused) call would wait: a short deadline ends it
+            stub.Complete(quick, metadata=KEY_A, timeout=1)
+        except grpc.RpcError as e:
+            return e if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED else None
+        return None
+
+    try:
+        open_streams(ENGINE_ONGOING + ENGINE_QUEUED + 4)
+        err = None
+        for _ in range(10):  # streams that end free slots: top up until a refusal
+            if (err := complete_refused()) is not None:
                 break
-        assert refused, "the server never refused a request"
-        assert "retry after 1s" in refused[0].details()
-        err = code_of(lambda: stub.Complete(pb.GenerateRequest(text="hi"), metadata=KEY_A))
-        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            open_streams(ENGINE_ONGOING)
+        assert err is not None, "the server never refused a request"
         assert ("retry-after", "1") in err.trailing_metadata()
+        assert "retry after 1s" in err.details()
+        end = time.monotonic() + 10
+        while not refused and time.monotonic() < end:  # a stream refused: the details say it
+            open_streams(1)
+            time.sleep(0.1)
+        assert refused and "retry after 1s" in refused[0].details()
     finally:
         for call in calls:
             call.cancel()
