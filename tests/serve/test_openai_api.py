@@ -156,3 +156,23 @@ def test_cache_salt_comes_from_the_api_key(url, client):
     assert cached("key-tenant-a") == 0
     assert cached("key-tenant-b") == 0  # same prompt, other tenant: no hit anywhere
     assert cached("key-tenant-a") > 0
+
+
+def test_logprobs_cover_every_token_in_both_apis(client, offline):
+    want = offline.generate([PROMPT], greedy(offline, 6, logprobs=2))[0]
+    r = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2
+    )
+    lp = r.choices[0].logprobs
+    assert len(lp.token_logprobs) == 6 and all(len(top) <= 2 for top in lp.top_logprobs)
+    assert lp.token_logprobs == pytest.approx([x.logprob for x in want.logprobs], abs=1e-4)
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(c.top_logprobs) == 2 for c in content)
