@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from app.engine.kv_cache import KVCache
+from app.engine.kv_cache import FP8, KVCache
 from app.engine.model_runner import BatchInputs, ModelRunner
 from app.models.parallel import TPContext
 
@@ -45,11 +45,20 @@ class Step:
 @dataclass(frozen=True, slots=True)
 class WriteKV:
     block_ids: list[int]
-    kv: torch.Tensor  # [L, P, n, H_total, D] full heads
+    kv: torch.Tensor  # [L, P, n, H_total, D] full heads; FP8 travels as its bytes (uint8)
     scales: torch.Tensor | None
+    fp8: bool = False  # torch cannot unpickle float8 tensors
+
+    @classmethod
+    def make(cls, block_ids, kv: torch.Tensor, scales) -> WriteKV:
+        fp8 = kv.dtype == FP8
+        kv = kv.cpu().contiguous()
+        scales = None if scales is None else scales.cpu()
+        return cls(list(block_ids), kv.view(torch.uint8) if fp8 else kv, scales, fp8)
 
     def run(self, engine) -> None:
-        write_local(engine.cache, self.block_ids, self.kv, self.scales, engine.tp_ctx)
+        kv = self.kv.view(FP8) if self.fp8 else self.kv
+        write_local(engine.cache, self.block_ids, kv, self.scales, engine.tp_ctx)
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +131,7 @@ class TPDriver:
         self.ctx, self.device, self.control_group = ctx, device, control_group
         self._dead_workers, self._close = dead_workers, close
         self.failed: str | None = None
+        self.worker_pids: list[int] = []  # for operators and tests
 
     def check(self) -> None:
         if self.failed is None:
@@ -206,8 +216,7 @@ class ShardedKVCache:
             return gather_heads(self.local, block_ids, num_tokens, self.driver.ctx)
 
     def write_tokens(self, block_ids: list[int], kv: torch.Tensor, scales) -> None:
-        cpu_scales = None if scales is None else scales.cpu()
-        self.driver.send(WriteKV(list(block_ids), kv.cpu(), cpu_scales))
+        self.driver.send(WriteKV.make(block_ids, kv, scales))
         write_local(self.local, block_ids, kv, scales, self.driver.ctx)
 
 

@@ -9,9 +9,11 @@ Ray Serve replicas start the same `worker_main` in Ray actors instead (app/serve
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-import socket
+import tempfile
+import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -28,12 +30,14 @@ log = logging.getLogger(__name__)
 # Bounds every collective: a rank that stops answering becomes an error, not a hang. Loading a
 # large checkpoint happens between two collectives, so it must fit too.
 TIMEOUT_S = float(os.environ.get("SLIMSERVE_TP_TIMEOUT_S", "600"))
+# "spawn" (default) or "forkserver": the latter imports torch and the engine once in a server
+# process and forks each worker from it (tests start many small replicas).
+START_METHOD = os.environ.get("SLIMSERVE_TP_START_METHOD", "spawn")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def rendezvous_file() -> str:
+    """A fresh FileStore path: local ranks meet through a file, so no port can be taken."""
+    return os.path.join(tempfile.gettempdir(), f"slimserve-tp-{uuid.uuid4().hex}")
 
 
 def rank_device(config: EngineConfig, local_rank: int) -> torch.device:
@@ -95,8 +99,11 @@ def _spawned(rank: int, config: EngineConfig, init_method: str) -> None:
 
 def start_local_workers(config: EngineConfig) -> TPDriver:
     size = config.tensor_parallel_size
-    init_method = f"tcp://127.0.0.1:{free_port()}"
-    spawn = mp.get_context("spawn")
+    store = rendezvous_file()
+    init_method = f"file://{store}"
+    spawn = mp.get_context(START_METHOD)
+    if START_METHOD == "forkserver":
+        spawn.set_forkserver_preload(["app.engine.engine", "app.engine.workers"])
     procs = [
         spawn.Process(target=_spawned, args=(r, config, init_method), daemon=True)
         for r in range(1, size)
@@ -121,8 +128,12 @@ def start_local_workers(config: EngineConfig) -> TPDriver:
         _stop(procs, 30)
         if dist.is_initialized():
             dist.destroy_process_group()
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(store)
 
-    return TPDriver(ctx, device, control, dead_workers, close)
+    driver = TPDriver(ctx, device, control, dead_workers, close)
+    driver.worker_pids = [p.pid for p in procs]
+    return driver
 
 
 def _stop(procs: list[Any], wait_s: float) -> None:
