@@ -17,11 +17,15 @@ __all__ = ["kv_write", "paged_decode_attention", "paged_prefill_attention"]
 
 def _gather(cache, scale, block_tables, dtype) -> torch.Tensor:
     """[B, maxb] tables -> [B, maxb * block_size, Hkv, D] dequantized."""
-    x = cache[block_tables.long()].flatten(1, 2)
+    b, width = block_tables.shape
+    rows = block_tables.flatten().long()
+    # index_select on a 2-D view is several times faster than advanced indexing on CPU.
+    x = cache.view(cache.shape[0], -1).index_select(0, rows)
+    x = x.view(b, width * cache.shape[1], *cache.shape[2:]).to(dtype)
     if not is_fp8(cache):
-        return x.to(dtype)
-    e = scale[block_tables.long()].flatten(1, 2)
-    return x.to(dtype) * torch.exp2(e.to(dtype)).unsqueeze(-1)
+        return x
+    e = scale.view(scale.shape[0], -1).index_select(0, rows).view(b, -1, scale.shape[-1])
+    return x * torch.exp2(e.to(dtype)).unsqueeze(-1)
 
 
 def paged_decode_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, sm_scale):
@@ -30,14 +34,15 @@ def paged_decode_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables, 
     dtype = torch.float32
     k = _gather(k_cache, k_scale, block_tables, dtype).transpose(1, 2)  # [B, Hkv, S, D]
     v = _gather(v_cache, v_scale, block_tables, dtype).transpose(1, 2)
+    hkv = k.shape[1]
     pad = torch.arange(k.shape[2], device=q.device).unsqueeze(0) >= seq_lens.unsqueeze(1)
     mask = torch.zeros(pad.shape, dtype=dtype, device=q.device).masked_fill_(pad, float("-inf"))
+    # GQA without repeating K/V: the query heads sharing a KV head are its "query rows".
     out = F.scaled_dot_product_attention(
-        q.to(dtype).unsqueeze(2),  # [B, Hq, 1, D]
+        q.to(dtype).view(b, hkv, hq // hkv, d),  # [B, Hkv, G, D]
         k,
         v,
         attn_mask=mask[:, None, None, :],
         scale=sm_scale,
-        enable_gqa=True,
     )
-    return out.squeeze(2).to(q.dtype)
+    return out.reshape(b, hq, d).to(q.dtype)
