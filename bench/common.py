@@ -27,7 +27,15 @@ def default_model() -> str:
 
 def write_json(name: str, data: dict, out_dir: str = RESULTS) -> str:
     os.makedirs(out_dir, exist_ok=True)
-    data = {"machine": platform.platform(), "cpus": os.cpu_count(), "time": time.time(), **data}
+    import torch
+
+    data = {
+        "machine": platform.platform(),
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "time": time.time(),
+        **data,
+    }
     path = os.path.join(out_dir, f"{name}.json")
     with open(path, "w") as f:
         json.dump(data, f, indent=2)
