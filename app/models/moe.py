@@ -32,6 +32,7 @@ from app.models.layers import (
 from app.models.parallel import SINGLE, TPContext
 
 _EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 class GatedMLP(nn.Module):
@@ -206,8 +207,9 @@ class MoEModel(nn.Module):
 class MoECausalLM(nn.Module):
     """Base of the MoE families: subclasses give `make_attention(cfg, layer, tp)`.
 
-    Multi-token-prediction layers some checkpoints carry (`model.layers.{L}`, L =
-    num_hidden_layers) are not built; the loader skips their tensors with a warning.
+    Multi-token-prediction layers some checkpoints carry (`model.layers.{L}`, L >=
+    num_hidden_layers: GLM-4.5's layer 92, DeepSeek-V3's 61) are not built; their tensors
+    are skipped unread (`skips_weight`), INT4 ones included.
     """
 
     packed_modules_mapping = {
@@ -228,7 +230,11 @@ class MoECausalLM(nn.Module):
         raise NotImplementedError
 
     def skips_weight(self, name: str) -> bool:
-        """True for checkpoint tensors of routed experts another expert-parallel rank owns."""
+        """True for checkpoint tensors of routed experts another expert-parallel rank owns,
+        and for multi-token-prediction layers (names or module prefixes)."""
+        layer = _LAYER.match(name)
+        if layer is not None and int(layer.group(1)) >= self.config.num_hidden_layers:
+            return True
         m = _EXPERT.search(name)
         return m is not None and int(m.group(1)) not in self._local_experts
 

@@ -95,3 +95,42 @@ def test_int4_experts_within_bounds(path, full, tmp_path):
     # Measured (RTN, group 32, symmetric): mean |err| 5.7% of std, KL 1.2e-3, top-1 87%.
     assert 0 < mean_err < 0.1 and kl < 3e-3 and top1 >= 0.75
     assert teacher_forced_agreement(llm, full, PROMPTS, GREEDY) >= 0.75  # measured 0.875
+
+
+def test_mtp_layer_tensors_are_skipped(path, full, tmp_path, caplog):
+    """GLM-4.5 ships a multi-token-prediction layer (model.layers.{num_hidden_layers}); it is
+    not built, and its tensors, INT4 ones included, are skipped without a warning."""
+    import logging
+    import shutil
+
+    from safetensors.torch import save_file
+
+    src = tmp_path / "mtp"
+    shutil.copytree(path, src)
+    mtp = "model.layers.3"
+    extra = {
+        f"{mtp}.eh_proj.weight": torch.randn(64, 128),
+        f"{mtp}.enorm.weight": torch.ones(64),
+        f"{mtp}.self_attn.q_proj.weight": torch.randn(128, 64),
+        f"{mtp}.mlp.experts.0.gate_proj.weight": torch.randn(32, 64),
+    }
+    save_file(extra, str(src / "mtp.safetensors"))
+    with caplog.at_level(logging.WARNING, logger="app.models.loader"):
+        llm = LLM(str(src), dtype="float32", device="cpu")
+    assert "ignoring" not in caplog.text
+    torch.testing.assert_close(llm.engine.score(SCORED), full.engine.score(SCORED))
+    q = int4_experts_checkpoint(str(src), str(tmp_path / "int4"))
+    assert "model.layers.3.mlp.experts.0.gate_proj.weight_packed" in _tensor_names(q)
+    LLM(q, dtype="float32", device="cpu")  # the MTP layer's INT4 expert has no module: skipped
+
+
+def _tensor_names(path) -> set[str]:
+    from safetensors import safe_open
+
+    from app.models.loader import safetensors_files
+
+    names = set()
+    for f in safetensors_files(path):
+        with safe_open(f, framework="pt") as st:
+            names |= set(st.keys())
+    return names
