@@ -51,7 +51,19 @@ def _engine_deployment(cls, cfg: ServeArgs, replicas: int, role: str):
         ray_actor_options={"num_cpus": cfg.replica_num_cpus, "num_gpus": cfg.replica_num_gpus},
         request_router_config=router,
         health_check_period_s=5,
+        **_tp_options(cfg),
     )
+
+
+def _tp_options(cfg: ServeArgs) -> dict[str, Any]:
+    """A TP replica reserves one bundle per rank on one node; it runs in bundle 0."""
+    tp = cfg.engine.tensor_parallel_size
+    if tp == 1:
+        return {}
+    from app.serve.tp_workers import tp_bundles
+
+    bundles = tp_bundles(tp, cfg.replica_num_cpus, cfg.replica_num_gpus)
+    return {"placement_group_bundles": bundles, "placement_group_strategy": "STRICT_PACK"}
 
 
 def ensure_store(cfg: ServeArgs) -> None:

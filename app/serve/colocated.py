@@ -23,6 +23,9 @@ class EngineServer:
     async def describe(self) -> dict[str, Any]:
         return {**self.host.describe(), "replica": self.host.name}
 
+    def check_health(self) -> None:
+        self.host.check_health()
+
     def record_routing_stats(self) -> dict[str, Any]:
         return self.host.routing_stats()
 

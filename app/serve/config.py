@@ -23,6 +23,9 @@ class EngineArgs(BaseModel):
     max_num_batched_tokens: int = Field(default=2048, gt=0)
     weight_quant: str | None = None
     torch_threads: int | None = Field(default=None, gt=0)  # None: torch's default
+    # Ranks per replica (docs/parallelism.md): workers are Ray actors in its placement group.
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    enable_expert_parallel: bool = False
 
     @model_validator(mode="after")
     def _chunk_is_whole_blocks(self) -> EngineArgs:

@@ -40,6 +40,8 @@ def engine_config(args: EngineArgs) -> EngineConfig:
         dtype=args.dtype,
         device=args.device,
         weight_quant=args.weight_quant,
+        tensor_parallel_size=args.tensor_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
         cache=CacheConfig(
             block_size=args.block_size,
             kv_cache_dtype=args.kv_cache_dtype,
@@ -64,7 +66,8 @@ class EngineHost:
         if args.engine.torch_threads:
             torch.set_num_threads(args.engine.torch_threads)
         self.args = args
-        self.engine = Engine(engine_config(args.engine))
+        self.name = replica_name()
+        self.engine = self._start_engine(engine_config(args.engine))
         self.async_engine = AsyncEngine(self.engine)
         self.store = store
         spec = self.engine.kv_spec
@@ -73,9 +76,23 @@ class EngineHost:
         self.expect = ChunkExpectation(self.engine.fingerprint, spec.layout, spec.dtype_name)
         self.inflight_tokens = 0  # prompt tokens of requests this replica is working on
         self._recent: OrderedDict[int, None] = OrderedDict()
-        self.name = replica_name()
         model = model_label(args.served_model_name, self.engine.config.model)
         self.metrics = ReplicaMetrics(role, model)  # app/serve/metrics.py
+
+    def _start_engine(self, config: EngineConfig) -> Engine:
+        if config.tensor_parallel_size == 1:
+            return Engine(config)
+        from app.serve.tp_workers import start_ray_tp_group
+
+        group = start_ray_tp_group(
+            config, self.args.replica_num_cpus, self.args.replica_num_gpus, self.name
+        )
+        return Engine(config, tp_group=group)
+
+    def check_health(self) -> None:
+        """Raises when a tensor-parallel worker rank died: Serve then replaces the replica."""
+        if self.engine.tp_group is not None:
+            self.engine.tp_group.check()
 
     def describe(self) -> dict[str, Any]:
         """What the ingress needs to tokenize, validate and key prompts like the engine."""
