@@ -14,6 +14,8 @@ prompt's store hit is the longest run of its chunk keys that are present.
 from __future__ import annotations
 
 import asyncio
+import functools
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -35,6 +37,15 @@ class StoredChunk:
     token_ids: tuple[int, ...]
 
 
+def _locked(method):
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return wrapper
+
+
 @dataclass(slots=True)
 class _Entry:
     chunk: StoredChunk
@@ -50,6 +61,7 @@ class KVStore:
         self.shard_id = shard_id
         self._entries: OrderedDict[bytes, _Entry] = OrderedDict()  # oldest use first
         self._bytes = 0
+        self._lock = threading.RLock()  # the actor runs calls on several threads
         self._counters = dict.fromkeys(
             (
                 "puts",
@@ -72,26 +84,33 @@ class KVStore:
         With ``cache`` the chunk is also registered under ``key`` (evicting LRU entries to
         stay in budget); without, only the ref is made, for a partial chunk in transit.
         """
-        if cache and key in self._entries:
-            self._touch(key)
-            return self._entries[key].chunk
+        with self._lock:
+            if cache and key in self._entries:
+                self._touch(key)
+                return self._entries[key].chunk
+        # The copy runs outside the lock: look-ups go on while a large chunk is stored.
         chunk = StoredChunk(key, ray.put(data), tag, int(data.nbytes), tuple(token_ids))
         if not cache:
             return chunk
-        if chunk.size > self.capacity_bytes:
-            self._counters["rejected"] += 1
-            return chunk
-        self._entries[key] = _Entry(chunk, time.time())
-        self._bytes += chunk.size
-        self._counters["puts"] += 1
-        while self._bytes > self.capacity_bytes:
-            self._evict_oldest()
+        with self._lock:
+            if key in self._entries:  # a concurrent put of the same chunk won
+                return self._entries[key].chunk
+            if chunk.size > self.capacity_bytes:
+                self._counters["rejected"] += 1
+                return chunk
+            self._entries[key] = _Entry(chunk, time.time())
+            self._bytes += chunk.size
+            self._counters["puts"] += 1
+            while self._bytes > self.capacity_bytes:
+                self._evict_oldest()
         return chunk
 
+    @_locked
     def lookup(self, keys: list[bytes]) -> dict[bytes, StoredChunk]:
         """The entries present among ``keys``; counts nothing (see ``record_use``)."""
         return {k: self._entries[k].chunk for k in keys if k in self._entries}
 
+    @_locked
     def lookup_prefix(self, keys: list[bytes]) -> int:
         """Length of the longest run of ``keys``, from the first, that this shard holds."""
         run = 0
@@ -99,11 +118,13 @@ class KVStore:
             run += 1
         return run
 
+    @_locked
     def get(self, key: bytes) -> StoredChunk | None:
         entry = self._entries.get(key)
         self.record_use([key] if entry else [], 0 if entry else 1)
         return entry.chunk if entry else None
 
+    @_locked
     def record_use(self, hit_keys: list[bytes], num_misses: int) -> None:
         """Count a lookup's outcome and refresh the LRU position of the chunks it used."""
         for key in hit_keys:
@@ -112,6 +133,7 @@ class KVStore:
                 self._counters["hits"] += 1
         self._counters["misses"] += num_misses
 
+    @_locked
     def drop(self, key: bytes, reason: str) -> bool:
         """Forget a chunk that failed a reader's check; ``reason`` is counted as a failure."""
         if reason == "integrity":
@@ -125,9 +147,11 @@ class KVStore:
         self._counters["drops"] += 1
         return True
 
+    @_locked
     def keys(self) -> list[bytes]:
         return list(self._entries)
 
+    @_locked
     def stats(self) -> dict[str, int]:
         return {
             **self._counters,
@@ -147,7 +171,7 @@ class KVStore:
         self._counters["evictions"] += 1
 
 
-KVStoreActor = ray.remote(num_cpus=0)(KVStore)
+KVStoreActor = ray.remote(num_cpus=0, max_concurrency=8)(KVStore)
 STORE_NAMESPACE = "slimserve"  # named shards live here, whatever namespace their users run in
 
 

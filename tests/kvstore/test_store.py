@@ -45,6 +45,15 @@ def run(coro):
     return asyncio.run(coro)
 
 
+def eventually(check, deadline_s: float = 10.0) -> bool:
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        if check():
+            return True
+        time.sleep(0.05)
+    return False
+
+
 def test_publish_then_match_prefix_round_trips(client):
     chunks = make_chunks()
     run(publish(client, chunks))
@@ -58,9 +67,13 @@ def test_publish_then_match_prefix_round_trips(client):
     stats = run(client.stats())
     assert stats["shards"] == 2 and stats["chunks"] == 3
     assert stats["bytes"] == sum(s.size for s in run_)
-    ray.get([s.stats.remote() for s in client.shards])  # fire-and-forget counters have landed
-    stats = run(client.stats())
-    assert stats["hits"] == 3 and stats["misses"] == 1
+
+    # Counting is fire-and-forget (and the shard is multi-threaded): wait for it to land.
+    def counted() -> bool:
+        stats = run(client.stats())
+        return (stats["hits"], stats["misses"]) == (3, 1)
+
+    assert eventually(counted)
 
 
 def test_prefix_run_stops_at_the_first_gap(client):
@@ -76,9 +89,10 @@ def test_lru_evicts_least_recently_used_under_byte_budget(ray_session):
     chunks = make_chunks(list(range(40)), chunk_tokens=8)  # 5 chunks
     size = put_chunk_size(chunks[0])
     client = KVStoreClient(create_store(capacity_bytes=3 * size + size // 2, num_shards=1))
-    run(publish(client, chunks[:3]))
+    for chunk in chunks[:3]:  # one at a time: the shard serves calls concurrently
+        run(publish(client, [chunk]))
     run(client.match_prefix([chunks[0].key]))  # chunk 0 is now the most recently used
-    ray.get(client.shards[0].stats.remote())
+    assert eventually(lambda: run(client.stats())["hits"] == 1)
     run(publish(client, chunks[3:4]))  # evicts chunk 1, the least recently used
     present = ray.get(client.shards[0].keys.remote())
     assert set(present) == {chunks[0].key, chunks[2].key, chunks[3].key}
@@ -200,4 +214,22 @@ def test_oversized_chunk_is_rejected_not_evicting_everything(ray_session):
     assert run(client.stats())["rejected"] == 1
     got = run(fetch_verified(client, stored, EXPECT, PROMPT))  # still usable in transit
     assert got.num_tokens == 8
+    ray.kill(client.shards[0])
+
+
+def test_concurrent_puts_keep_the_books_straight(ray_session):
+    chunks = make_chunks(list(range(1000, 1000 + 8 * 24)), chunk_tokens=8)  # 24 chunks
+    sizes = {c.key: put_chunk_size(c) for c in chunks}
+    client = KVStoreClient(create_store(capacity_bytes=5 * max(sizes.values()) + 10))
+
+    async def burst():
+        # The same chunks twice, all at once: duplicates must not be counted twice.
+        await asyncio.gather(publish(client, chunks), publish(client, chunks[:6]))
+
+    run(burst())
+    stats = run(client.stats())
+    present = ray.get(client.shards[0].keys.remote())
+    assert len(present) == stats["chunks"] == 5
+    assert stats["bytes"] == sum(sizes[k] for k in present)
+    assert stats["puts"] - stats["evictions"] == 5
     ray.kill(client.shards[0])

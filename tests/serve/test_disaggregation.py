@@ -83,6 +83,16 @@ def stats(store) -> dict:
     return asyncio_run(store.stats())
 
 
+def eventually(check, deadline_s: float = 10.0) -> bool:
+    """Store hit counting is fire-and-forget: poll until it lands."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        if check():
+            return True
+        time.sleep(0.05)
+    return False
+
+
 def asyncio_run(coro):
     import asyncio
 
@@ -96,7 +106,7 @@ def test_prefix_from_one_prefill_replica_is_a_store_hit_on_the_other(url, store,
         cold.append(complete(url, prompt, replica=0, stream=True))
         before = stats(store)
         hit.append(complete(url, prompt, replica=1, stream=True))
-        assert stats(store)["hits"] - before["hits"] == (len(prompt) - 1) // 32 == 11
+        assert eventually(lambda: stats(store)["hits"] - before["hits"] == 11)  # all usable
         a, b = complete(url, prompt, replica=0), complete(url, prompt, replica=1)
         assert a["choices"][0]["text"] == b["choices"][0]["text"] == want_text(offline, prompt)
         where = (a["slimserve"]["choices"][0], b["slimserve"]["choices"][0])
