@@ -104,9 +104,9 @@ def test_prefix_from_one_prefill_replica_is_a_store_hit_on_the_other(url, store,
     for seed in range(3):
         prompt = prompt_ids(seed)
         cold.append(complete(url, prompt, replica=0, stream=True))
-        before = stats(store)
+        before = stats(store)["hits"]
         hit.append(complete(url, prompt, replica=1, stream=True))
-        assert eventually(lambda: stats(store)["hits"] - before["hits"] == 11)  # all usable
+        assert eventually(lambda b=before: stats(store)["hits"] - b == 11)  # all usable chunks
         a, b = complete(url, prompt, replica=0), complete(url, prompt, replica=1)
         assert a["choices"][0]["text"] == b["choices"][0]["text"] == want_text(offline, prompt)
         where = (a["slimserve"]["choices"][0], b["slimserve"]["choices"][0])
