@@ -78,7 +78,12 @@ class AsyncEngine:
                 if not self._commands:
                     await self._wake.wait()
                 continue
-            deltas = await loop.run_in_executor(None, self.engine.step)
+            try:
+                deltas = await loop.run_in_executor(None, self.engine.step)
+            except Exception as e:  # the engine is broken (e.g. a TP rank died): fail waiters
+                for queue in self._queues.values():
+                    queue.put_nowait(e)
+                return  # the next request restarts the loop (and fails the same way)
             for delta in deltas:
                 queue = self._queues.get(delta.request_id)
                 if queue is not None:

@@ -1,5 +1,6 @@
 """INT4 checkpoints under TP/EP, KV chunks across TP sizes, and a dead worker rank."""
 
+import asyncio
 import os
 import signal
 import time
@@ -7,6 +8,7 @@ import time
 import pytest
 import torch
 
+from app.engine.async_engine import AsyncEngine
 from app.engine.request import Request
 from app.engine.sampling_params import SamplingParams
 from app.engine.tp_driver import TPWorkerError
@@ -78,6 +80,11 @@ def test_chunks_cross_tp_sizes(checkpoint_factory, prefill_tp, decode_tp):
     assert got == want
 
 
+async def _stream(engine: AsyncEngine) -> None:
+    async for _ in engine.generate(Request("after-death", PROMPT[:5], GREEDY)):
+        pass
+
+
 def test_dead_worker_fails_rank0_clearly(checkpoint_factory):
     llm = make_llm(checkpoint_factory("llama"), 2)
     try:
@@ -89,5 +96,7 @@ def test_dead_worker_fails_rank0_clearly(checkpoint_factory):
             llm.generate([PROMPT[:5]], GREEDY)
         with pytest.raises(TPWorkerError, match="must be restarted"):  # stays failed
             llm.engine.score(PROMPT[:5])
+        with pytest.raises(TPWorkerError):  # serving: waiters fail fast instead of hanging
+            asyncio.run(asyncio.wait_for(_stream(AsyncEngine(llm.engine)), timeout=30))
     finally:
         llm.shutdown()
