@@ -125,10 +125,12 @@ class EngineHost:
         if local == len(keys):
             return FetchResult(), []  # the local prefix cache has all the store could give
         hit = await self.store.match_prefix(keys)
+        asked = (len(keys) - local) * self.chunk_tokens  # store queries: what local lacks
         if len(hit) <= local:  # nothing to fetch; the refs still save re-publishing
+            self.metrics.on_store_lookup(asked, 0)
             return FetchResult(), hit
         fetched = await self.fetch(hit, prompt)
-        self.metrics.on_store_lookup(len(keys) * self.chunk_tokens, fetched.num_tokens)
+        self.metrics.on_store_lookup(asked, max(0, fetched.num_tokens - local * self.chunk_tokens))
         return fetched, hit[: len(fetched.chunks)]
 
     def locally_cached_chunks(self, keys: list[bytes]) -> int:

@@ -14,6 +14,7 @@ import pytest
 from serve.apps import PORT, tiny_serve_args
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
+STORE = "slimserve-kvstore-autoscaling-test"  # its own store (see test_metrics_ray.py)
 FAST_METRICS = {"RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5"}
 
 
@@ -37,7 +38,7 @@ def autoscaled(policy: str, kwargs: dict, **bounds) -> dict:
 
 
 def config(model: str) -> dict:
-    args = tiny_serve_args(model)
+    args = tiny_serve_args(model, store_name=STORE)
     prefill = autoscaled(
         "app.serve.autoscaling:PrefillTokenPolicy", {"target_tokens_per_replica": 64}
     )
@@ -67,6 +68,19 @@ def replicas(name: str) -> int:
     return sum(n for state, n in status.replica_states.items() if state != "STOPPING")
 
 
+def wait_running(app: str, deadline_s: float) -> None:
+    from ray import serve
+
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        status = serve.status().applications.get(app)
+        if status is not None and status.status == "RUNNING":
+            return
+        assert status is None or status.status != "DEPLOY_FAILED", status.message
+        time.sleep(1)
+    raise TimeoutError(f"{app} not RUNNING after {deadline_s}s")
+
+
 @contextlib.contextmanager
 def deployed(ray_session, cfg: dict):
     from ray import serve
@@ -77,13 +91,14 @@ def deployed(ray_session, cfg: dict):
 
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     assert not serve.status().applications, "another test left a Serve app running"
-    _get_global_client().deploy_apps(ServeDeploySchema.model_validate(cfg), _blocking=True)
     try:
+        _get_global_client().deploy_apps(ServeDeploySchema.model_validate(cfg))
+        wait_running("slimserve", deadline_s=240)  # Serve's own blocking wait stops at 60 s
         yield f"http://127.0.0.1:{PORT}"
     finally:
         serve.delete("slimserve")
         with contextlib.suppress(Exception):
-            for shard in KVStoreClient.from_name("slimserve-kvstore", 1).shards:
+            for shard in KVStoreClient.from_name(STORE, 1).shards:
                 ray_session.kill(shard)
 
 

@@ -17,6 +17,9 @@ from serve.apps import running_app, tiny_serve_args
 from app.serve.metrics import SPECS, prometheus_name
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
+# Its own store: a shard of the shared name that an earlier test just killed can still be
+# found by name for a moment (create_store reuses shards by name).
+STORE = "slimserve-kvstore-metrics-test"
 _SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][\w:]*)(?:\{(?P<labels>.*)\})? (?P<value>\S+)$")
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
@@ -29,6 +32,17 @@ def scrape(port: int) -> list[tuple[str, dict, float]]:
         m = _SAMPLE.match(line)
         if m and m["name"].startswith("ray_slimserve_"):
             out.append((m["name"], dict(_LABEL.findall(m["labels"] or "")), float(m["value"])))
+    return out
+
+
+def since(after: list, before: list) -> list:
+    """Counters and histograms as increments since ``before`` (the session's Ray may still
+    export series of earlier tests' apps); gauges as they are."""
+    base = {(n, frozenset(lab.items())): v for n, lab, v in before}
+    out = []
+    for n, lab, v in after:
+        cumulative = n.endswith(("_total", "_bucket", "_count", "_sum"))
+        out.append((n, lab, v - base.get((n, frozenset(lab.items())), 0.0) if cumulative else v))
     return out
 
 
@@ -59,7 +73,7 @@ def corrupt_first_chunk(prompt: list[int]) -> None:
 
     info = serve.get_deployment_handle("PrefillServer", "slimserve").describe.remote().result()
     keys = prompt_chunk_keys(prompt, info["salt_base"], None, 16, info["chunk_tokens"])
-    store = KVStoreClient.from_name("slimserve-kvstore", 1)
+    store = KVStoreClient.from_name(STORE, 1)
     entry = asyncio.run(store.get(keys[0]))
     bad = bytearray(ray.get(entry.ref))
     bad[-3] ^= 0x40
@@ -72,7 +86,8 @@ def test_metrics_endpoint_shows_every_metric_with_sane_values(ray_session, check
     model = checkpoint_factory("llama")
     # Room for 8 blocks: one 100-token prompt fits, three growing sequences do not (preemption).
     budget = 8 * kv_block_bytes(model)
-    args = tiny_serve_args(model, engine={"dtype": "float32", "kv_cache_memory_bytes": budget})
+    engine = {"dtype": "float32", "kv_cache_memory_bytes": budget}
+    args = tiny_serve_args(model, engine=engine, store_name=STORE)
     usage = {"prompt_tokens": 0, "completion_tokens": 0, "choices": 0}
 
     def complete(url, prompt, max_tokens):
@@ -86,24 +101,29 @@ def test_metrics_endpoint_shows_every_metric_with_sane_values(ray_session, check
 
     rng = np.random.default_rng(0)
     long_prompt = [int(t) for t in rng.integers(3, 300, 100)]  # 3 full 32-token chunks
+    other = [int(t) for t in rng.integers(3, 300, 100)]  # evicts long_prompt's local blocks
+    port = ray_session._private.worker._global_node.metrics_export_port
     with running_app(ray_session, args) as url:
+        baseline = scrape(port)
         complete(url, long_prompt, 4)  # computes and publishes the chunks
-        complete(url, long_prompt, 4)  # store hit (and local prefix cache hit)
+        complete(url, long_prompt, 4)  # local prefix cache hit
+        complete(url, other, 4)
+        complete(url, long_prompt, 4)  # evicted locally: store hit
         corrupt_first_chunk(long_prompt)
+        complete(url, other, 4)
         complete(url, long_prompt, 4)  # integrity failure, recomputed
         short = [[int(t) for t in rng.integers(3, 300, 20)] for _ in range(3)]
         with concurrent.futures.ThreadPoolExecutor(3) as pool:
             list(pool.map(lambda p: complete(url, p, 60), short))  # decode KV runs out
-        port = ray_session._private.worker._global_node.metrics_export_port
-        samples = wait_for_all(port, usage)
+        samples = wait_for_all(port, usage, baseline)
     check(samples, usage)
 
 
-def wait_for_all(port: int, usage: dict, timeout_s: float = 120) -> list:
+def wait_for_all(port: int, usage: dict, baseline: list, timeout_s: float = 120) -> list:
     """Ray exports every few seconds: wait until the counters caught up with the requests."""
     deadline = time.monotonic() + timeout_s
     while True:
-        samples = scrape(port)
+        samples = since(scrape(port), baseline)
         names = {n for n, _, _ in samples}
         want = {prometheus_name(n) + ("_count" if s.kind == "histogram" else "")
                 for n, s in SPECS.items()}  # fmt: skip
