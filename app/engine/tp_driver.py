@@ -36,10 +36,35 @@ class TPWorkerError(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class Step:
-    inputs: BatchInputs  # with sampled == [] (sequences stay on rank 0)
+    inputs: BatchInputs  # on the CPU, with sampled == [] (sequences stay on rank 0)
+
+    @classmethod
+    def make(cls, inp: BatchInputs) -> Step:
+        return cls(_moved(dataclasses.replace(inp, sampled=[]), torch.device("cpu")))
 
     def run(self, engine) -> None:
-        engine.runner.forward(self.inputs)
+        engine.runner.forward(_moved(self.inputs, engine.device))
+
+
+def _moved(inp: BatchInputs, device: torch.device) -> BatchInputs:
+    """The batch's tensors on `device` (a pickled CUDA tensor would land on rank 0's GPU)."""
+    if inp.ids.device == device:
+        return inp
+    meta = dataclasses.replace(
+        inp.meta,
+        **{
+            f.name: getattr(inp.meta, f.name).to(device)
+            for f in dataclasses.fields(inp.meta)
+            if f.name != "is_decode"
+        },
+    )
+    return dataclasses.replace(
+        inp,
+        ids=inp.ids.to(device),
+        positions=inp.positions.to(device),
+        sample_rows=inp.sample_rows.to(device),
+        meta=meta,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,7 +219,7 @@ class DriverRunner:
         return self.forward(inp), inp.sampled
 
     def forward(self, inp: BatchInputs) -> torch.Tensor:
-        self.driver.send(Step(dataclasses.replace(inp, sampled=[])))
+        self.driver.send(Step.make(inp))
         with self.driver.guard():
             return self.runner.forward(inp)
 
