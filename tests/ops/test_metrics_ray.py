@@ -165,12 +165,12 @@ def check(samples, usage) -> None:
     assert total(samples, moved, direction="fetch") > 0
     assert total(samples, "ray_slimserve_kv_integrity_failures_total", reason="integrity") >= 1
     assert total(samples, "ray_slimserve_preemptions_total", role="decode") >= 1
-    # Histogram buckets are cumulative.
-    for name in ("time_to_first_token_seconds", "inter_token_latency_seconds"):
-        buckets = [
-            (float(lab["le"]), v)
-            for n, lab, v in samples
-            if n == f"ray_slimserve_{name}_bucket" and lab["role"] == "ingress"
-        ]
-        counts = [v for _, v in sorted(buckets)]
-        assert counts == sorted(counts)
+    # Histogram buckets are cumulative (summed over series per bound first).
+    expected = {"time_to_first_token_seconds": n, "inter_token_latency_seconds": gen - n}
+    for name, count in expected.items():
+        per_bound: dict[float, float] = {}
+        for metric, lab, v in samples:
+            if metric == f"ray_slimserve_{name}_bucket" and lab["role"] == "ingress":
+                per_bound[float(lab["le"])] = per_bound.get(float(lab["le"]), 0.0) + v
+        counts = [per_bound[le] for le in sorted(per_bound)]
+        assert counts == sorted(counts) and counts[-1] == count, name
