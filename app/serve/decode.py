@@ -5,40 +5,20 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import AsyncIterator
-from typing import Any
 
 from ray import serve
 
 from app.engine.request import Request, RequestDelta
-from app.kvstore.store import KVStoreClient
-from app.serve.config import ServeArgs
+from app.serve.engine_replica import EngineReplica
 from app.serve.messages import DecodeRequest
-from app.serve.replica import EngineHost
 
 log = logging.getLogger(__name__)
 
 
 @serve.deployment(name="DecodeServer")
-class DecodeServer:
-    def __init__(self, args: dict[str, Any]):
-        self.args = ServeArgs(**args)
-        store = KVStoreClient.from_name(self.args.store_name, self.args.store_shards)
-        self.host = EngineHost(self.args, store, role="decode")
-
-    async def describe(self) -> dict[str, Any]:
-        return {**self.host.describe(), "replica": self.host.name}
-
-    def check_health(self) -> None:
-        self.host.check_health()
-
-    def record_routing_stats(self) -> dict[str, Any]:
-        return self.host.routing_stats()
-
-    def record_autoscaling_stats(self) -> dict[str, float]:
-        return self.host.autoscaling_stats()
-
-    async def stats(self) -> dict[str, Any]:
-        return self.host.stats()
+class DecodeServer(EngineReplica):
+    role = "decode"
+    uses_store = True
 
     async def generate(self, req: DecodeRequest) -> AsyncIterator[RequestDelta]:
         """Deltas after the first token. If the prompt's KV cannot be fetched or verified,

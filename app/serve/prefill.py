@@ -4,41 +4,23 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
 
 from ray import serve
 
 from app.engine.request import Request, RequestDelta
-from app.kvstore.store import KVStoreClient, StoredChunk
+from app.kvstore.store import StoredChunk
 from app.kvstore.transfer import publish
-from app.serve.config import ServeArgs
+from app.serve.engine_replica import EngineReplica
 from app.serve.messages import GenerateRequest, PrefillResult
-from app.serve.replica import EngineHost, is_full
+from app.serve.replica import is_full
 
 log = logging.getLogger(__name__)
 
 
 @serve.deployment(name="PrefillServer")
-class PrefillServer:
-    def __init__(self, args: dict[str, Any]):
-        self.args = ServeArgs(**args)
-        store = KVStoreClient.from_name(self.args.store_name, self.args.store_shards)
-        self.host = EngineHost(self.args, store, role="prefill")
-
-    async def describe(self) -> dict[str, Any]:
-        return {**self.host.describe(), "replica": self.host.name}
-
-    def check_health(self) -> None:
-        self.host.check_health()
-
-    def record_routing_stats(self) -> dict[str, Any]:
-        return self.host.routing_stats()
-
-    def record_autoscaling_stats(self) -> dict[str, float]:
-        return self.host.autoscaling_stats()
-
-    async def stats(self) -> dict[str, Any]:
-        return self.host.stats()
+class PrefillServer(EngineReplica):
+    role = "prefill"
+    uses_store = True
 
     async def prefill(self, req: GenerateRequest) -> PrefillResult:
         host, prompt = self.host, req.prompt_token_ids
