@@ -19,7 +19,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 
 test: lint
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=20
 
 serve: $(STAMP)
 	$(BIN)/slimserve serve
