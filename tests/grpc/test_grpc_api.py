@@ -249,14 +249,17 @@ def test_tenants_get_their_own_cache_salt(stub):
 
 def test_deadline_exceeded_aborts_and_frees_blocks(served, stub):
     received = []
+    # An idle 2-core machine streams the 400 tokens in under 1.5 s (a 1.5 s deadline stopped
+    # expiring there), not in 0.4 s; a busy one may not have sent any token by the deadline,
+    # so only the upper bound is checked.
     call = stub.Generate(
-        pb.GenerateRequest(text=PROMPT, sampling=LONG), metadata=KEY_A, timeout=1.5
+        pb.GenerateRequest(text=PROMPT, sampling=LONG), metadata=KEY_A, timeout=0.4
     )
     with pytest.raises(grpc.RpcError) as e:
         for m in call:
             received.append(m)
     assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert 0 < sum(len(m.token_ids) for m in received) < 400  # cut mid-generation
+    assert sum(len(m.token_ids) for m in received) < 400  # cut before the end
     wait_until_idle(served)
 
 

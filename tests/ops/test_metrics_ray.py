@@ -41,6 +41,8 @@ def since(after: list, before: list) -> list:
     base = {(n, frozenset(lab.items())): v for n, lab, v in before}
     out = []
     for n, lab, v in after:
+        if lab.get("application", "slimserve") != "slimserve":
+            continue  # another test's app in the shared Ray session
         cumulative = n.endswith(("_total", "_bucket", "_count", "_sum"))
         out.append((n, lab, v - base.get((n, frozenset(lab.items())), 0.0) if cumulative else v))
     return out
