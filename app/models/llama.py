@@ -85,7 +85,21 @@ class LlamaDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class LlamaModel(nn.Module):
+class DecoderStack(nn.Module):
+    """Embedding -> decoder layers -> final norm; subclasses build the three parts."""
+
+    embed_tokens: nn.Module
+    layers: nn.ModuleList
+    norm: nn.Module
+
+    def forward(self, ids, positions, attn):
+        x = self.embed_tokens(ids)
+        for layer in self.layers:
+            x = layer(positions, x, attn)
+        return self.norm(x)
+
+
+class LlamaModel(DecoderStack):
     def __init__(self, cfg: ModelConfig, tp: TPContext):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
@@ -96,12 +110,6 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(cfg, i, tp, rotary) for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, ids, positions, attn):
-        x = self.embed_tokens(ids)
-        for layer in self.layers:
-            x = layer(positions, x, attn)
-        return self.norm(x)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -29,6 +29,7 @@ from app.models.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from app.models.llama import DecoderStack
 from app.models.parallel import SINGLE, TPContext
 
 _EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
@@ -188,7 +189,7 @@ class MoEDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class MoEModel(nn.Module):
+class MoEModel(DecoderStack):
     def __init__(self, cfg: ModelConfig, tp: TPContext, make_attention):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
@@ -196,12 +197,6 @@ class MoEModel(nn.Module):
             MoEDecoderLayer(cfg, i, tp, make_attention(i)) for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, ids, positions, attn):
-        x = self.embed_tokens(ids)
-        for layer in self.layers:
-            x = layer(positions, x, attn)
-        return self.norm(x)
 
 
 class MoECausalLM(nn.Module):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from app.quant.int4 import Int4Weight, group_params, pack_int4, quantize_codes
+from app.quant.int4 import Int4Weight, check_grouping, group_params, pack_int4, quantize_codes
 
 
 class HessianAccumulator:
@@ -49,9 +49,7 @@ def quantize_gptq(
 ) -> Int4Weight:
     """w: [N, K], hessian: [K, K] -> Int4Weight minimizing ||X W^T - X Q^T|| column by column."""
     n, k = w.shape
-    if k % group_size:
-        raise ValueError(f"in_features={k} is not a multiple of group_size={group_size}")
-    scale_dtype = scale_dtype or (w.dtype if w.dtype.is_floating_point else torch.float32)
+    scale_dtype = check_grouping(w, group_size, scale_dtype)
     w = w.float().clone()
     h = hessian.float().clone()
     dead = h.diagonal() == 0  # inputs that never fire: any value is as good as zero

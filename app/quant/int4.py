@@ -118,6 +118,14 @@ def quantize_codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> 
     return torch.clamp(torch.round(w.float() / scale.unsqueeze(-1)) + zero.unsqueeze(-1), 0, QMAX)
 
 
+def check_grouping(w: torch.Tensor, group_size: int, scale_dtype: torch.dtype | None):
+    """Validates w: [N, K] against group_size; returns the scale dtype (w's unless given)."""
+    k = w.shape[1]
+    if k % group_size:
+        raise ValueError(f"in_features={k} is not a multiple of group_size={group_size}")
+    return scale_dtype or (w.dtype if w.dtype.is_floating_point else torch.float32)
+
+
 def quantize_rtn(
     w: torch.Tensor,
     group_size: int = 128,
@@ -126,9 +134,7 @@ def quantize_rtn(
 ) -> Int4Weight:
     """Round-to-nearest group-wise INT4 of w: [N, K]. Scales take w's dtype unless given."""
     n, k = w.shape
-    if k % group_size:
-        raise ValueError(f"in_features={k} is not a multiple of group_size={group_size}")
-    scale_dtype = scale_dtype or (w.dtype if w.dtype.is_floating_point else torch.float32)
+    scale_dtype = check_grouping(w, group_size, scale_dtype)
     wg = w.float().view(n, k // group_size, group_size)
     scale, zero = group_params(wg, symmetric, scale_dtype)
     q = quantize_codes(wg, scale, zero).view(n, k)
