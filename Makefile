@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test lint serve bench protos clean
+.PHONY: venv test test-long lint serve bench protos clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -19,7 +19,11 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 
 test: lint
-	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=20
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=20 -m "not long"
+
+# The full fuzz, soak and load runs (docs/reliability.md); not part of CI.
+test-long: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=20 -m long
 
 serve: $(STAMP)
 	$(BIN)/slimserve serve
