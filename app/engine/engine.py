@@ -21,6 +21,7 @@ from app.engine.sampler import sample_batch
 from app.engine.sampling_params import SamplingParams
 from app.engine.scheduler import Scheduler
 from app.engine.sequence import SeqStatus, Sequence
+from app.engine.structured.manager import StructuredOutputs
 from app.engine.tp_driver import min_over_ranks
 from app.models.loader import load_model
 from app.models.parallel import SINGLE
@@ -72,6 +73,7 @@ class Engine:
             config.model, self.model_config.eos_token_ids, self.tokenizer.eos_token_ids
         )
         self.outputs = OutputProcessor(self.model_config.max_position_embeddings, eos)
+        self.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size, eos)
         self.seqs: dict[str, list[Sequence]] = {}
         self._pending: list[RequestDelta] = []
 
@@ -114,6 +116,8 @@ class Engine:
         group, self.tp_group = getattr(self, "tp_group", None), None
         if group is not None:
             group.shutdown()
+        if getattr(self, "structured", None) is not None:
+            self.structured.shutdown()
 
     # --- the engine API -----------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -133,6 +137,8 @@ class Engine:
         ]
         for later in seqs[1:]:
             later.wait_for = seqs[0]
+        if p.structured is not None:  # validates now (bad schema: ValueError), compiles later
+            self.structured.attach(seqs, p.structured, request.prior_output_ids)
         self.scheduler.add(seqs)
         if request.kv_import:
             import_chunks(self, request, salt)
@@ -165,20 +171,36 @@ class Engine:
                 seq.status, seq.finish_reason = SeqStatus.FINISHED, "abort"
                 self._pending.append(self.outputs.final_delta(seq))
 
+    def _end(self, seq: Sequence, reason: str) -> None:
+        """Ends one sequence without a new token (e.g. its grammar failed to compile)."""
+        seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
+        self._pending.append(self.outputs.final_delta(seq))
+        self._finish(seq)
+
     def has_unfinished(self) -> bool:
         return bool(self.seqs) or bool(self._pending)
 
     def step(self) -> list[RequestDelta]:
+        for seq, why in self.structured.poll():
+            log.warning("request %s: %s", seq.request_id, why)
+            self._end(seq, "abort")
         deltas, self._pending = self._pending, []
         out = self.scheduler.schedule()
         if not out.scheduled:
+            if self.structured.compiling and not deltas:
+                self.structured.wait(0.05)  # idle until a grammar compiles; no busy loop
             return deltas
         logits, sampled = self.runner.execute(out.scheduled)
         for seq, n in out.scheduled:
             seq.num_computed_tokens += n
             self.blocks.commit_full_blocks(seq)
+        if sampled:
+            self.structured.mask(logits, sampled)  # [S, V]: grammar rows get -inf outside
         samples = sample_batch(logits, sampled) if sampled else []
         for seq, (token, logprob) in zip(sampled, samples):
+            if not self.structured.advance(seq, token):
+                self._end(seq, "abort")
+                continue
             seq.token_ids.append(token)
             delta = self.outputs.process(seq, token, logprob)
             if seq.request.prefill_only:  # hand the prompt's KV over, then stop

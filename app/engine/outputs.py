@@ -16,8 +16,8 @@ class OutputProcessor:
         p = seq.params
         reason = None
         stop_token = (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids
-        if stop_token:
-            reason = "stop"
+        if stop_token or (seq.grammar is not None and seq.grammar.terminated):
+            reason = "stop"  # a finished grammar ends the sequence like a stop token
         elif seq.detok is not None:
             seq.detok.add([token])
             cut = seq.detok.find_stop()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from app.engine.structured.spec import StructuredOutputSpec
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -22,6 +24,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-k alternatives per step (0 = only the sampled token)
     skip_special_tokens: bool = True
+    structured: StructuredOutputSpec | None = None  # output constrained by a grammar
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -48,6 +51,10 @@ class SamplingParams:
         _check(
             self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
             "logprobs must be in [0, 20]",
+        )
+        _check(
+            self.structured is None or isinstance(self.structured, StructuredOutputSpec),
+            "structured must be a StructuredOutputSpec",
         )
 
     @property

@@ -82,6 +82,8 @@ class Scheduler:
                 return
             if seq.wait_for is not None and not _sibling_ready(seq.wait_for):
                 continue
+            if seq.grammar is not None and not seq.grammar.ready:
+                continue  # its grammar is still compiling (off the step loop)
             if not seq.block_table:
                 self.blocks.match_prefix(seq)
             n = min(seq.num_uncomputed, budget, self.config.long_prefill_chunk)

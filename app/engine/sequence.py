@@ -43,6 +43,7 @@ class Sequence:
         self.pending_logprobs: list[TokenLogprob] = []
         self.wait_for: Sequence | None = None  # n > 1: siblings wait for the prompt's KV
         self.exported_chunks: list | None = None
+        self.grammar = None  # SequenceGrammar (app/engine/structured) when constrained
 
     @property
     def num_tokens(self) -> int:

@@ -1,0 +1,100 @@
+"""The engine's structured-output state: validation, compiles in flight, mask and advance.
+
+The engine calls four things: `attach` when a request arrives (validates its spec on the
+spot, so a bad schema fails add_request; starts the compile), `poll` before scheduling
+(sequences whose compile failed), `mask` on the sampled rows' logits, and `advance` with
+each sampled token. The compiler (and xgrammar) is created only when a request needs it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+from collections import OrderedDict
+
+import torch
+
+from app.engine.structured.compiler import GrammarCompiler
+from app.engine.structured.logits import mask_logits
+from app.engine.structured.matcher import SequenceGrammar
+from app.engine.structured.spec import StructuredOutputSpec
+from app.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+_VALIDATED_KEYS = 1024
+
+
+class StructuredOutputs:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...]):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.stop_token_ids = stop_token_ids
+        self._compiler: GrammarCompiler | None = None
+        self._validated: OrderedDict[tuple, None] = OrderedDict()
+        self._compiling: list = []  # sequences whose grammar was not compiled when added
+
+    @property
+    def compiler(self) -> GrammarCompiler:
+        if self._compiler is None:
+            self._compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.stop_token_ids)
+        return self._compiler
+
+    def validate(self, spec: StructuredOutputSpec) -> None:
+        """Raises StructuredOutputError for a bad spec (builds its grammar; cached by key)."""
+        if spec.key in self._validated:
+            self._validated.move_to_end(spec.key)
+            return
+        spec.build_grammar()
+        self._validated[spec.key] = None
+        if len(self._validated) > _VALIDATED_KEYS:
+            self._validated.popitem(last=False)
+
+    def attach(self, seqs: list, spec: StructuredOutputSpec, replay: list[int]) -> None:
+        """Gives each sequence its own matcher over one shared compile."""
+        self.validate(spec)
+        future = self.compiler.submit(spec)
+        for seq in seqs:
+            seq.grammar = SequenceGrammar(spec, future, tuple(replay))
+            if not seq.grammar.ready:
+                self._compiling.append(seq)
+
+    def poll(self) -> list[tuple[object, str]]:
+        """(sequence, why) for sequences whose grammar cannot be used; forgets finished
+        compiles. Such sequences never ran, so they can be ended without output."""
+        failed, still = [], []
+        for seq in self._compiling:
+            if not seq.grammar.ready:
+                still.append(seq)
+            elif (why := seq.grammar.failed) is not None:
+                failed.append((seq, why))
+        self._compiling = still
+        return failed
+
+    @property
+    def compiling(self) -> bool:
+        return bool(self._compiling)
+
+    def wait(self, timeout_s: float) -> None:
+        """Nothing can run but compiles are in flight: sleep until one finishes (or timeout)."""
+        futures = [seq.grammar._compiled for seq in self._compiling]
+        if futures:
+            concurrent.futures.wait(futures, timeout_s, concurrent.futures.FIRST_COMPLETED)
+
+    def mask(self, logits: torch.Tensor, seqs: list) -> None:
+        """logits: [S, V] for the sampled sequences, masked in place where a grammar applies."""
+        grammars = [getattr(s, "grammar", None) for s in seqs]
+        if any(g is not None for g in grammars):
+            mask_logits(logits, grammars)
+
+    def advance(self, seq, token: int) -> bool:
+        """Feeds a sampled token to the sequence's matcher; False if the grammar rejects it
+        (which masking should make impossible: the sequence is then aborted, not 'stop')."""
+        grammar = getattr(seq, "grammar", None)
+        if grammar is None or grammar.accept(token):
+            return True
+        log.error("request %s: token %d rejected by its grammar", seq.request_id, token)
+        return False
+
+    def shutdown(self) -> None:
+        if self._compiler is not None:
+            self._compiler.shutdown()
