@@ -9,6 +9,17 @@ import pytest  # noqa: E402
 from tiny_models import FAMILIES, make_checkpoint  # noqa: E402
 
 
+@pytest.fixture(scope="session", autouse=True)
+def no_orphan_processes():
+    """Set up first, torn down last: after every other fixture (Ray, TP workers) has ended,
+    no process started by a test may still run (tests/reliability/orphans.py)."""
+    yield
+    from reliability.orphans import leftover_processes
+
+    left = leftover_processes()
+    assert not left, "processes outlived the test session:\n" + "\n".join(left)
+
+
 @pytest.fixture(scope="session")
 def checkpoint_factory(tmp_path_factory):
     """family name -> path of a tiny random checkpoint (built once per session)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import weakref
 from typing import Any
 
 from tqdm import tqdm
@@ -58,12 +59,16 @@ class LLM:
             ),
         )
         self.engine = Engine(config, progress=show_progress)
+        # Garbage collection ends the workers and the process group too (a notebook that
+        # drops an LLM and builds another); the finalizer holds the engine, never self.
+        self._finalizer = weakref.finalize(self, self.engine.shutdown)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
     def shutdown(self) -> None:
-        """Stops the tensor-parallel worker processes (a no-op with one rank)."""
-        self.engine.shutdown()
+        """Stops the tensor-parallel worker processes and leaves the process group (a no-op
+        with one rank); idempotent, and what garbage collection of this LLM does too."""
+        self._finalizer()
 
     def __enter__(self) -> LLM:
         return self

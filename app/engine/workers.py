@@ -98,6 +98,11 @@ def _spawned(rank: int, config: EngineConfig, init_method: str) -> None:
 
 
 def start_local_workers(config: EngineConfig) -> TPDriver:
+    if dist.is_initialized():  # torch allows one default process group per process
+        raise RuntimeError(
+            "a tensor-parallel engine is still running in this process: shut it down first "
+            "(LLM.shutdown(), `with LLM(...) as llm:`, or drop every reference to it)"
+        )
     size = config.tensor_parallel_size
     store = rendezvous_file()
     init_method = f"file://{store}"
