@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test test-long lint serve bench protos clean
+.PHONY: venv test test-long lint serve bench bench-peer protos clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -31,6 +31,13 @@ serve: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python bench/kv_capacity.py
 	$(BIN)/python bench/throughput.py
+
+# slimserve vs vLLM's CPU build, offline and served (docs/performance.md); not part of
+# `make test`. The peer's venv (.venv-vllm) is built on demand by scripts/peer_venv.sh.
+bench-peer: $(STAMP)
+	bash scripts/peer_venv.sh
+	$(BIN)/python bench/vs_vllm.py
+	$(BIN)/python bench/serve_vs_vllm.py
 
 # gRPC code: protos/ -> app/serve/grpc_gen/ (checked in; tests/grpc fails if it drifts).
 protos: $(STAMP)

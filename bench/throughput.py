@@ -1,6 +1,10 @@
 """Offline generation throughput: the engine vs Hugging Face `generate` (batched, padded,
 same model, prompts and output lengths, greedy) at 1, 8 and 32 concurrent prompts.
 
+Fair to both: prefix caching off (HF has none), fresh random prompts per batch size (none
+repeats across sizes), and both sides warmed up on each batch size before they are timed.
+The peer that matters more, vLLM, is measured by bench/vs_vllm.py.
+
     python bench/throughput.py [--model PATH] [--gen 64]
 """
 
@@ -14,12 +18,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import bar_plot, default_model, write_json  # noqa: E402
-
-
-def prompts(n: int, vocab: int) -> list[list[int]]:
-    return [
-        [3 + (i * 37 + j * 11) % (vocab - 3) for j in range(32 + (i * 7) % 33)] for i in range(n)
-    ]
+from bench.peer import random_prompts  # noqa: E402
 
 
 def engine_tps(llm, batch, gen: int) -> float:
@@ -64,14 +63,17 @@ def main(argv=None) -> dict:
     from app import LLM
 
     model_path = args.model or default_model()
-    llm = LLM(model_path, dtype="float32", device="cpu", show_progress=True)
+    llm = LLM(
+        model_path, dtype="float32", device="cpu", enable_prefix_caching=False, show_progress=True
+    )
     hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     vocab = llm.engine.model_config.vocab_size
     rows = {}
     sizes = [int(b) for b in args.batches.split(",")]
-    for n in tqdm(sizes, desc="batch sizes"):
-        batch = prompts(n, vocab)
-        engine_tps(llm, batch[:1], 4)  # warm-up
+    for i, n in enumerate(tqdm(sizes, desc="batch sizes")):
+        warm, batch = random_prompts(2 * i, n, vocab), random_prompts(2 * i + 1, n, vocab)
+        engine_tps(llm, warm, 4)  # warm-up, both sides, other prompts than the timed ones
+        hf_tps(hf, warm, 4, 0)
         ours, theirs = engine_tps(llm, batch, args.gen), hf_tps(hf, batch, args.gen, 0)
         rows[str(n)] = {
             "slimserve_tok_s": ours,
