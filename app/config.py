@@ -132,6 +132,46 @@ class SchedulerConfig:
         assert self.long_prefill_chunk > 0 and self.max_waiting > 0
 
 
+SPECULATIVE_METHODS = ("ngram", "mtp", "draft_model")
+
+
+@dataclass(slots=True)
+class SpeculativeConfig:
+    """Speculative decoding (docs/speculative_decoding.md); names follow vLLM's."""
+
+    method: str = "ngram"  # ngram | mtp | draft_model
+    num_speculative_tokens: int = 3  # k: tokens proposed (and verified) per step
+    prompt_lookup_min: int = 2  # ngram: shortest n-gram matched
+    prompt_lookup_max: int = 4  # ngram: longest n-gram matched (tried first)
+    model: str | None = None  # draft_model: checkpoint path (same tokenizer as the target)
+    backoff: bool = True  # propose fewer (down to none) while few proposals are accepted
+
+    def __post_init__(self):
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative method must be one of {SPECULATIVE_METHODS}, got {self.method!r}"
+            )
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or not 1 <= k <= 16:
+            raise ValueError(f"num_speculative_tokens must be in [1, 16], got {k!r}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("speculative 'model' is required for, and only for, draft_model")
+
+    @classmethod
+    def from_any(cls, value) -> SpeculativeConfig | None:
+        """None, a SpeculativeConfig, or a dict of its fields (unknown keys rejected)."""
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise TypeError(f"speculative_config must be a dict, got {type(value).__name__}")
+        unknown = set(value) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown speculative_config keys: {sorted(unknown)}")
+        return cls(**value)
+
+
 @dataclass(slots=True)
 class EngineConfig:
     model: str
@@ -144,8 +184,10 @@ class EngineConfig:
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self):
+        self.speculative_config = SpeculativeConfig.from_any(self.speculative_config)
         if self.weight_quant not in (None, "int4"):
             raise ValueError(f"weight_quant must be None or 'int4', got {self.weight_quant!r}")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:

@@ -21,6 +21,7 @@ from app.engine.sampler import sample_batch
 from app.engine.sampling_params import SamplingParams
 from app.engine.scheduler import Scheduler
 from app.engine.sequence import SeqStatus, Sequence
+from app.engine.spec.deltas import merge_deltas
 from app.engine.structured.manager import StructuredOutputs
 from app.engine.tp_driver import min_over_ranks
 from app.models.loader import load_model
@@ -74,6 +75,13 @@ class Engine:
         )
         self.outputs = OutputProcessor(self.model_config.max_position_embeddings, eos)
         self.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size, eos)
+        self.speculator = None
+        if config.speculative_config is not None:
+            from app.engine.spec.speculator import Speculator
+
+            self.speculator = Speculator(
+                config.speculative_config, self.blocks, self.model_config.max_position_embeddings
+            )
         self.seqs: dict[str, list[Sequence]] = {}
         self._pending: list[RequestDelta] = []
 
@@ -185,24 +193,25 @@ class Engine:
             log.warning("request %s: %s", seq.request_id, why)
             self._end(seq, "abort")
         deltas, self._pending = self._pending, []
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         out = self.scheduler.schedule()
         if not out.scheduled:
             if self.structured.compiling and not deltas:
                 self.structured.wait(0.05)  # idle until a grammar compiles; no busy loop
             return deltas
         logits, sampled = self.runner.execute(out.scheduled)
-        for seq, n in out.scheduled:
-            seq.num_computed_tokens += n
+        for seq, n in out.scheduled:  # proposed tokens count once verified (settle)
+            seq.num_computed_tokens += n - len(seq.spec_tokens)
             self.blocks.commit_full_blocks(seq)
-        if sampled:
-            self.structured.mask(logits, sampled)  # [S, V]: grammar rows get -inf outside
-        samples = sample_batch(logits, sampled) if sampled else []
-        for seq, (token, logprob) in zip(sampled, samples):
-            if not self.structured.advance(seq, token):
-                self._end(seq, "abort")
+        if sampled:  # [rows, V]: grammar rows get -inf outside (grammars never speculate)
+            self.structured.mask(
+                logits, [s for s in sampled for _ in range(1 + len(s.spec_tokens))]
+            )
+        for seq, emitted in zip(sampled, self._sample(logits, sampled)):
+            delta = self._emit(seq, emitted)
+            if delta is None:
                 continue
-            seq.token_ids.append(token)
-            delta = self.outputs.process(seq, token, logprob)
             if seq.request.prefill_only:  # hand the prompt's KV over, then stop
                 delta.exported_chunks = export_chunks(self, seq)
                 delta.finished, seq.status = True, SeqStatus.FINISHED
@@ -210,6 +219,30 @@ class Engine:
                 self._finish(seq)
             deltas.append(delta)
         return deltas
+
+    def _sample(self, logits: torch.Tensor, sampled: list[Sequence]) -> list[list]:
+        """Per sequence, the (token, logprob) pairs it emits this step, in order."""
+        if not sampled:
+            return []
+        if self.speculator is not None:
+            return self.speculator.verify(logits, sampled)
+        return [[sample] for sample in sample_batch(logits, sampled)]
+
+    def _emit(self, seq: Sequence, emitted: list) -> RequestDelta | None:
+        """Appends the tokens until one finishes the sequence; one delta for all of them.
+        None: the sequence's grammar rejected its token and it was ended."""
+        delta = None
+        for token, logprob in emitted:
+            if not self.structured.advance(seq, token):
+                self._end(seq, "abort")
+                return None
+            seq.token_ids.append(token)
+            delta = merge_deltas(delta, self.outputs.process(seq, token, logprob))
+            if seq.finished:
+                break
+        if self.speculator is not None:
+            self.speculator.settle(seq, len(delta.new_token_ids))
+        return delta
 
     def _finish(self, seq: Sequence) -> None:
         self.scheduler.remove(seq)
@@ -247,4 +280,5 @@ class Engine:
             "prefix_cache_hits": s.hits,
             "prefix_cache_evictions": s.evictions,
             "preemptions": self.scheduler.num_preemptions,
+            **(self.speculator.stats.as_dict() if self.speculator is not None else {}),
         }

@@ -8,7 +8,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from app.config import CacheConfig, EngineConfig, SchedulerConfig
+from app.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from app.engine.engine import Engine
 from app.engine.request import CompletionOutput, Request, RequestOutput
 from app.engine.sampling_params import SamplingParams
@@ -34,6 +34,7 @@ class LLM:
         attention_backend: str = "auto",
         tensor_parallel_size: int = 1,
         enable_expert_parallel: bool = False,
+        speculative_config: dict | SpeculativeConfig | None = None,
         show_progress: bool = False,
     ):
         """tensor_parallel_size > 1 starts that many local ranks (this process is rank 0;
@@ -46,6 +47,7 @@ class LLM:
             attention_backend=attention_backend,
             tensor_parallel_size=tensor_parallel_size,
             enable_expert_parallel=enable_expert_parallel,
+            speculative_config=SpeculativeConfig.from_any(speculative_config),
             cache=CacheConfig(
                 block_size=block_size,
                 kv_cache_dtype=kv_cache_dtype,
@@ -64,6 +66,10 @@ class LLM:
         self._finalizer = weakref.finalize(self, self.engine.shutdown)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
+
+    def stats(self) -> dict[str, float]:
+        """The engine's counters: KV blocks, prefix cache, preemptions, speculation."""
+        return self.engine.stats()
 
     def shutdown(self) -> None:
         """Stops the tensor-parallel worker processes and leaves the process group (a no-op

@@ -21,7 +21,7 @@ class BatchInputs:
     ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     meta: AttentionMetadata
-    sample_rows: torch.Tensor  # [S] int64: rows of T whose logits are sampled
+    sample_rows: torch.Tensor  # [S] int64: rows of T sampled (k + 1 with k proposed tokens)
     sampled: list[Sequence]  # the S sequences, in row order
 
 
@@ -37,7 +37,8 @@ class ModelRunner:
         ids, pos, slots, starts, lens, rows, sampled = [], [], [], [0], [], [], []
         for seq, n in batch:
             start = seq.num_computed_tokens
-            ids += seq.token_ids[start : start + n]
+            tokens = seq.token_ids + seq.spec_tokens if seq.spec_tokens else seq.token_ids
+            ids += tokens[start : start + n]
             pos += range(start, start + n)
             table = seq.block_table
             slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
@@ -45,8 +46,8 @@ class ModelRunner:
             lens.append(start + n)
             if all_rows:
                 rows += range(starts[-2], starts[-1])
-            elif start + n == seq.num_tokens:
-                rows.append(starts[-1] - 1)
+            elif start + n == len(tokens):  # with k proposals: k + 1 rows to verify them
+                rows += range(starts[-1] - 1 - len(seq.spec_tokens), starts[-1])
                 sampled.append(seq)
         width = max(len(seq.block_table) for seq, _ in batch)
         tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq, _ in batch]

@@ -50,7 +50,11 @@ class Scheduler:
         for seq in decodes + prefills:
             if seq.status is not SeqStatus.RUNNING or budget == 0:
                 continue
-            n = min(seq.num_uncomputed, budget, self.config.long_prefill_chunk)
+            # A decode with proposed tokens verifies them in this step (as an extend).
+            n = min(
+                seq.num_uncomputed + len(seq.spec_tokens), budget, self.config.long_prefill_chunk
+            )
+            seq.spec_tokens = seq.spec_tokens[: max(0, n - seq.num_uncomputed)]
             if self._reserve(seq, n, out):
                 out.scheduled.append((seq, n))
                 budget -= n

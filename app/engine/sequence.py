@@ -44,6 +44,10 @@ class Sequence:
         self.wait_for: Sequence | None = None  # n > 1: siblings wait for the prompt's KV
         self.exported_chunks: list | None = None
         self.grammar = None  # SequenceGrammar (app/engine/structured) when constrained
+        # Speculative decoding: this step's proposed tokens (not yet part of token_ids; they
+        # become tokens only once verified) and the proposer's per-sequence state.
+        self.spec_tokens: list[int] = []
+        self.spec_state = None
 
     @property
     def num_tokens(self) -> int:
@@ -78,6 +82,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.block_table = []
         self.block_keys = []
+        self.spec_tokens = []
         self.status = SeqStatus.WAITING
 
 

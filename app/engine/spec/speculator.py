@@ -1,0 +1,128 @@
+"""The engine side of speculative decoding: propose before a step, verify after it.
+
+Per step: `propose` gives each running decode sequence up to k tokens (`seq.spec_tokens`);
+the scheduler lets a decode compute 1 + k tokens (an extend over the paged cache) and the
+runner returns k + 1 logit rows for it; `verify` turns the rows into the tokens the
+sequence emits (exact: see verify.py); `settle` advances the computed tokens over the
+accepted proposals only, commits full blocks to the prefix cache (which therefore never
+sees a rejected token) and gives back the blocks that only rejected tokens used.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from app.config import SpeculativeConfig
+from app.engine.block_manager import BlockManager
+from app.engine.request import TokenLogprob
+from app.engine.sequence import Sequence
+from app.engine.spec.ngram import AcceptanceBackoff, NgramProposer
+from app.engine.spec.sampling import target_tokens
+from app.engine.spec.verify import verify_point_mass
+
+Emitted = list[tuple[int, TokenLogprob | None]]
+
+
+@dataclass(slots=True)
+class SpecStats:
+    proposed: int = 0  # tokens proposed and verified
+    accepted: int = 0  # of those, accepted
+    verify_steps: int = 0  # (sequence, step) pairs that verified at least one proposal
+    emitted: int = 0  # tokens those steps produced (accepted + the target's own)
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "spec_proposed_tokens": self.proposed,
+            "spec_accepted_tokens": self.accepted,
+            "spec_verify_steps": self.verify_steps,
+            "spec_acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0,
+            # tokens per target forward for the sequences that speculated
+            "spec_mean_accepted_length": (
+                self.emitted / self.verify_steps if self.verify_steps else 0.0
+            ),
+        }
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, blocks: BlockManager, max_model_len: int):
+        if config.method != "ngram":
+            raise ValueError(f"speculative method {config.method!r} is not available yet")
+        self.config, self.blocks, self.max_model_len = config, blocks, max_model_len
+        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.stats = SpecStats()
+
+    def propose(self, running: list[Sequence]) -> None:
+        for seq in running:
+            seq.spec_tokens = []
+            # Grammar-constrained sequences do not speculate: their mask depends on every
+            # token before, so each proposal would need its own matcher state.
+            if not seq.is_decode or seq.request.prefill_only or seq.grammar is not None:
+                continue
+            if seq.spec_state is None:
+                seq.spec_state = AcceptanceBackoff(self.config.num_speculative_tokens)
+            k = self._budget(seq)
+            if k > 0:
+                seq.spec_tokens = self.proposer.propose(seq.token_ids, k)
+
+    def _budget(self, seq: Sequence) -> int:
+        """k for this step: backoff, and never past max_tokens or the context length (the
+        target's own token comes on top of the proposals)."""
+        k = self.config.num_speculative_tokens
+        if self.config.backoff:
+            k = seq.spec_state.num_to_propose()
+        left = min(
+            seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens
+        )
+        return min(k, left - 1)
+
+    def verify(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[Emitted]:
+        """logits: [R, V] float32, 1 + len(spec_tokens) rows per sequence, in order."""
+        target = target_tokens(logits, seqs)  # per sequence: k + 1 tokens
+        k_max = max(len(s.spec_tokens) for s in seqs)
+        width = k_max + 1
+        padded = torch.tensor([t + [0] * (width - len(t)) for t in target])
+        proposals = torch.tensor([s.spec_tokens + [0] * (k_max - len(s.spec_tokens)) for s in seqs])
+        num = torch.tensor([len(s.spec_tokens) for s in seqs])
+        emitted, accepted = verify_point_mass(padded, proposals.view(len(seqs), k_max), num)
+        raw_lp = (
+            logits.log_softmax(-1) if any(s.params.logprobs is not None for s in seqs) else None
+        )
+        out, row = [], 0
+        for seq, tokens, a in zip(seqs, emitted, accepted):
+            self._record(seq, a)
+            lps = [_logprob(raw_lp, row + j, t, seq.params.logprobs) for j, t in enumerate(tokens)]
+            out.append(list(zip(tokens, lps)))
+            row += 1 + len(seq.spec_tokens)
+        return out
+
+    def _record(self, seq: Sequence, accepted: int) -> None:
+        proposed = len(seq.spec_tokens)
+        if proposed == 0:
+            return
+        self.stats.proposed += proposed
+        self.stats.accepted += accepted
+        self.stats.verify_steps += 1
+        self.stats.emitted += accepted + 1
+        if seq.spec_state is not None:
+            seq.spec_state.update(proposed, accepted)
+
+    def settle(self, seq: Sequence, num_emitted: int) -> None:
+        """After the emitted tokens were appended: the accepted proposals' KV is the
+        sequence's; blocks that held only rejected slots go back to the pool."""
+        seq.num_computed_tokens += num_emitted - 1
+        seq.spec_tokens = []
+        self.blocks.commit_full_blocks(seq)
+        need = self.blocks.blocks_for(seq.num_tokens)
+        if len(seq.block_table) > need:
+            self.blocks.release(reversed(seq.block_table[need:]))
+            del seq.block_table[need:]
+
+
+def _logprob(raw_lp, row: int, token: int, k: int | None) -> TokenLogprob | None:
+    if raw_lp is None or k is None:
+        return None
+    from app.engine.sampler import token_logprobs
+
+    return token_logprobs(raw_lp[row], token, k)
