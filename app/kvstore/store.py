@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -23,6 +24,9 @@ from dataclasses import dataclass
 import numpy as np
 import ray
 from ray.actor import ActorHandle
+from ray.exceptions import RayActorError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,29 +190,58 @@ def create_store(
     ``capacity_bytes / num_shards``. ``lifetime="detached"`` outlives the creating driver."""
     assert num_shards >= 1
     per_shard = capacity_bytes // num_shards
-    shards = []
-    for i in range(num_shards):
-        opts: dict = {}
-        if name:
-            opts = {"name": f"{name}-{i}", "namespace": STORE_NAMESPACE, "get_if_exists": True}
-        if lifetime:
-            opts["lifetime"] = lifetime
-        shards.append(KVStoreActor.options(**opts).remote(per_shard, i))
-    return shards
+    return [_start_shard(name, i, per_shard, lifetime) for i in range(num_shards)]
+
+
+def _start_shard(name: str | None, i: int, capacity: int, lifetime: str | None) -> ActorHandle:
+    # A crashed shard process restarts empty (its chunks were lost with it anyway); a killed
+    # one is recreated by the first client that finds it dead (KVStoreClient._replace).
+    opts: dict = {"max_restarts": -1}
+    if name:
+        opts |= {"name": f"{name}-{i}", "namespace": STORE_NAMESPACE, "get_if_exists": True}
+    if lifetime:
+        opts["lifetime"] = lifetime
+    return KVStoreActor.options(**opts).remote(capacity, i)
 
 
 class KVStoreClient:
-    """Routes keys to shards (by the key's first 8 bytes) and merges their answers."""
+    """Routes keys to shards (by the key's first 8 bytes) and merges their answers.
 
-    def __init__(self, shards: list[ActorHandle]):
+    Built ``from_name`` with the store's capacity, it survives a shard's death: the call that
+    finds a shard dead starts a new, empty one under the same name and retries once; look-ups
+    that still fail count as misses, so requests recompute instead of failing.
+    """
+
+    def __init__(self, shards: list[ActorHandle], name: str | None = None, shard_capacity: int = 0):
         assert shards, "a store needs at least one shard"
         self.shards = list(shards)
+        self.name, self.shard_capacity = name, shard_capacity  # for recreating a dead shard
+        self.num_recreated = 0
 
     @classmethod
-    def from_name(cls, name: str, num_shards: int) -> KVStoreClient:
-        return cls(
-            [ray.get_actor(f"{name}-{i}", namespace=STORE_NAMESPACE) for i in range(num_shards)]
-        )
+    def from_name(cls, name: str, num_shards: int, capacity_bytes: int = 0) -> KVStoreClient:
+        """``capacity_bytes`` (the whole store's) lets this client recreate dead shards."""
+        shards = [
+            ray.get_actor(f"{name}-{i}", namespace=STORE_NAMESPACE) for i in range(num_shards)
+        ]
+        return cls(shards, name if capacity_bytes else None, capacity_bytes // num_shards)
+
+    async def _call(self, i: int, method: str, *args):
+        """``shards[i].method(*args)``; a dead shard is replaced once, then the call retried."""
+        try:
+            return await getattr(self.shards[i], method).remote(*args)
+        except RayActorError as e:
+            if not self._replace(i, e):
+                raise
+        return await getattr(self.shards[i], method).remote(*args)
+
+    def _replace(self, i: int, error: Exception) -> bool:
+        if self.name is None:
+            return False
+        log.warning("KV store shard %s-%d is gone (%s); starting a new one", self.name, i, error)
+        self.shards[i] = _start_shard(self.name, i, self.shard_capacity, "detached")
+        self.num_recreated += 1
+        return True
 
     def shard_index(self, key: bytes) -> int:
         return int.from_bytes(key[:8], "little") % len(self.shards)
@@ -220,7 +253,7 @@ class KVStoreClient:
         self, key: bytes, data: np.ndarray, tag: int, token_ids: list[int], cache: bool = True
     ) -> StoredChunk:
         """Hand an encoded chunk to its shard; returns the store-owned ref."""
-        return await self.shard_of(key).put.remote(key, data, tag, token_ids, cache)
+        return await self._call(self.shard_index(key), "put", key, data, tag, token_ids, cache)
 
     async def match_prefix(self, keys: list[bytes]) -> list[StoredChunk]:
         """The stored chunks for the longest present run of ``keys``; counts hits/misses."""
@@ -237,15 +270,18 @@ class KVStoreClient:
         return len(await self._present_run(keys))
 
     async def get(self, key: bytes) -> StoredChunk | None:
-        return await self.shard_of(key).get.remote(key)
+        return await self._call(self.shard_index(key), "get", key)
 
     async def drop(self, key: bytes, reason: str) -> bool:
         """Forget ``key``; reason "integrity" or "fetch" also counts a failure."""
-        return await self.shard_of(key).drop.remote(key, reason)
+        try:
+            return await self._call(self.shard_index(key), "drop", key, reason)
+        except RayActorError:  # the shard and the chunk are gone together
+            return False
 
     async def stats(self) -> dict[str, int]:
         """Counters summed over shards."""
-        per_shard = await asyncio.gather(*(s.stats.remote() for s in self.shards))
+        per_shard = await asyncio.gather(*(self._call(i, "stats") for i in range(len(self.shards))))
         total: dict[str, int] = {}
         for stats in per_shard:
             for name, value in stats.items():
@@ -263,11 +299,16 @@ class KVStoreClient:
     async def _present_run(self, keys: list[bytes]) -> list[StoredChunk]:
         groups = self._group(keys)
         answers = await asyncio.gather(
-            *(self.shards[i].lookup.remote(ks) for i, ks in groups.items())
+            *(self._call(i, "lookup", ks) for i, ks in groups.items()), return_exceptions=True
         )
         found: dict[bytes, StoredChunk] = {}
         for answer in answers:
-            found.update(answer)
+            if isinstance(answer, RayActorError):  # unreachable shard: its keys are misses
+                log.warning("KV store look-up failed: %s", answer)
+            elif isinstance(answer, BaseException):
+                raise answer
+            else:
+                found.update(answer)
         run: list[StoredChunk] = []
         for key in keys:
             if key not in found:

@@ -50,8 +50,20 @@ async def publish(
     client: KVStoreClient, chunks: Sequence[KVChunk], *, cache: bool = True
 ) -> list[StoredChunk]:
     """Give ``chunks`` to the store, which owns them from then on; with ``cache`` they are
-    also registered for prefix look-ups (a partial last chunk travels with ``cache=False``)."""
-    return list(await asyncio.gather(*(_put(client, c, cache) for c in chunks)))
+    also registered for prefix look-ups (a partial last chunk travels with ``cache=False``).
+
+    Returns the leading run that was stored: a chunk whose shard cannot be reached (even after
+    the client replaced it) ends the run, and its readers recompute from there."""
+    done = await asyncio.gather(*(_put(client, c, cache) for c in chunks), return_exceptions=True)
+    run: list[StoredChunk] = []
+    for chunk, stored in zip(chunks, done):
+        if isinstance(stored, RayError):
+            logger.warning("KV chunk %s not stored: %s", (chunk.key or b"").hex()[:16], stored)
+            break
+        if isinstance(stored, BaseException):
+            raise stored
+        run.append(stored)
+    return run
 
 
 async def _put(client: KVStoreClient, chunk: KVChunk, cache: bool) -> StoredChunk:

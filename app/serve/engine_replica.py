@@ -19,7 +19,8 @@ class EngineReplica:
         self.args = ServeArgs(**args)
         store = None
         if self.uses_store:
-            store = KVStoreClient.from_name(self.args.store_name, self.args.store_shards)
+            a = self.args
+            store = KVStoreClient.from_name(a.store_name, a.store_shards, a.store_capacity_bytes)
         self.host = EngineHost(self.args, store, role=self.role)
 
     async def describe(self) -> dict[str, Any]:

@@ -67,7 +67,12 @@ class PrefillServer(EngineReplica):
         self.host.metrics.on_chunks("publish", sum(s.size for s in published))
         self.host.remember(c.key for c in new_full if c.key)
         by_key = {s.key: s for s in published} | known
-        return [by_key[c.key or b""] for c in exported]
+        run = []  # the leading run the store holds: decode recomputes whatever follows
+        for c in exported:
+            if (c.key or b"") not in by_key:
+                break
+            run.append(by_key[c.key or b""])
+        return run
 
 
 def _merge(a: RequestDelta, b: RequestDelta) -> RequestDelta:

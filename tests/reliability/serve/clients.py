@@ -1,0 +1,102 @@
+"""Clients that classify every answer: the text an undisturbed run gives, a clean retriable
+error (HTTP 503/429 + Retry-After or an in-band error naming it, gRPC UNAVAILABLE /
+RESOURCE_EXHAUSTED), or wrong (anything else: other text, silent truncation, 5xx without
+retry advice, INTERNAL)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import grpc
+import httpx
+
+from app.serve.grpc_gen.slimserve.v1 import generation_pb2 as pb
+
+RETRIABLE_GRPC = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
+RETRIABLE_HTTP = {429, 503}
+RETRIABLE_CODES = {"unavailable", "overloaded"}  # in-band OpenAI error codes after a 200
+
+
+@dataclass
+class Outcome:
+    text: str = ""
+    finish: str | None = None  # "length" / "stop" when the stream ended normally
+    error: str | None = None  # how it failed, for the report
+    retriable: bool = False
+
+    def kind(self, want: str) -> str:
+        if self.error is None:
+            return "correct" if self.finish == "length" and self.text == want else "wrong"
+        return "clean_error" if self.retriable else "wrong"
+
+
+def http_stream(url: str, prompt: list[int], max_tokens: int, timeout: float = 120) -> Outcome:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    body |= {"ignore_eos": True, "stream": True}
+    out = Outcome()
+    try:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=timeout) as r:
+            if r.status_code != 200:
+                r.read()
+                out.error = f"HTTP {r.status_code}: {r.text[:120]}"
+                out.retriable = r.status_code in RETRIABLE_HTTP and "retry-after" in r.headers
+                return out
+            for line in r.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    out.error = f"in-band {event['error']}"
+                    out.retriable = event["error"].get("code") in RETRIABLE_CODES
+                    return out
+                choice = event["choices"][0]
+                out.text += choice.get("text") or ""
+                out.finish = choice.get("finish_reason") or out.finish
+    except httpx.HTTPError as e:  # the connection broke: no answer at all is not clean
+        out.error = f"{type(e).__name__}: {e}"
+    return out
+
+
+FINISH = {pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_STOP: "stop"}
+
+
+def grpc_stream(stub, prompt: list[int], max_tokens: int, metadata=(), timeout=120) -> Outcome:
+    sampling = pb.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=sampling)
+    out = Outcome()
+    try:
+        for msg in stub.Generate(req, metadata=metadata, timeout=timeout):
+            out.text += msg.text
+            out.finish = FINISH.get(msg.finish_reason, out.finish)
+    except grpc.RpcError as e:
+        out.error = f"{e.code().name}: {e.details()}"
+        out.retriable = e.code() in RETRIABLE_GRPC
+    return out
+
+
+def run_all(calls, workers: int = 32) -> list[Outcome]:
+    """Runs every zero-argument call at once (threads); outcomes in call order."""
+    with ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(lambda f: f(), calls))
+
+
+def tally(outcomes: list[Outcome], wants: list[str]) -> Counter:
+    return Counter(o.kind(w) for o, w in zip(outcomes, wants))
+
+
+def wait_idle(handle, timeout_s: float = 30) -> dict:
+    """The replica runs nothing and every KV block is free (cached blocks count as free)."""
+    end = time.monotonic() + timeout_s
+    while True:
+        s = handle.stats.remote().result(timeout_s=30)
+        if (
+            s["num_running"] == s["num_waiting"] == 0
+            and s["kv_blocks_free"] == s["kv_blocks_total"]
+        ):
+            return s
+        assert time.monotonic() < end, f"blocks still held {timeout_s} s later: {s}"
+        time.sleep(0.1)
