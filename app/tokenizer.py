@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Any
 
 import jinja2
@@ -37,6 +38,9 @@ class Tokenizer:
         self.eos_token_ids = eos_ids
         self.chat_template = config.get("chat_template")
         self._template = None
+        self._literal: HFTokenizer | None = None  # encodes special-token text as plain text
+        added = hf.get_added_tokens_decoder().values() if hf is not None else ()
+        self.control_strings = tuple(t.content for t in added)  # specials and added tokens
 
     @classmethod
     def from_path(cls, path: str, eos_ids: tuple[int, ...] = ()) -> Tokenizer:
@@ -89,5 +93,58 @@ class Tokenizer:
         )
 
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        # The template already carries BOS where the model wants it.
-        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+        """The conversation's token ids; only the template's own markers become specials.
+
+        A message that types "<|system|>" or "<|end|>" gets those characters as text, not
+        the control tokens (no role injection). Messages without such text take the plain
+        path, so their ids are exactly the rendered template's.
+        """
+        contents = [m.get("content") for m in messages]
+        if not any(isinstance(c, str) and self._has_control(c) for c in contents):
+            # The template already carries BOS where the model wants it.
+            return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+        return self._encode_chat_literal(messages)
+
+    def _has_control(self, text: str) -> bool:
+        return any(s in text for s in self.control_strings)
+
+    def _encode_chat_literal(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Render with a marker per content, then encode template text with special-token
+        parsing on and each content with it off."""
+        marked = [
+            {**m, "content": _MARK.format(i)} if isinstance(m.get("content"), str) else m
+            for i, m in enumerate(messages)
+        ]
+        pieces = _MARK_RE.split(self.apply_chat_template(marked))
+        texts = [m.get("content") for m in messages]
+        # split() alternates: template text, content index, template text, ...
+        rendered = "".join(p if k % 2 == 0 else texts[int(p)] for k, p in enumerate(pieces))
+        if rendered != self.apply_chat_template(messages):
+            raise ChatTemplateError(
+                "message content holds special-token text and the chat template rewrites "
+                "content, so it cannot be kept as plain text"
+            )
+        ids: list[int] = []
+        for k, piece in enumerate(pieces):
+            if k % 2 == 0:
+                ids += self.encode(piece, add_special_tokens=False) if piece else []
+            elif texts[int(piece)]:
+                ids += (
+                    self._literal_tokenizer()
+                    .encode(texts[int(piece)], add_special_tokens=False)
+                    .ids
+                )
+        return ids
+
+    def _literal_tokenizer(self) -> HFTokenizer:
+        if self._literal is None:
+            assert self.hf is not None
+            literal = HFTokenizer.from_str(self.hf.to_str())
+            literal.encode_special_tokens = True  # special-token text is split like any text
+            self._literal = literal
+        return self._literal
+
+
+# A content marker no template produces by itself: private-use characters around an index.
+_MARK = "\ue000{}\ue001"
+_MARK_RE = re.compile("\ue000(\\d+)\ue001")
