@@ -64,6 +64,8 @@ class ServeArgs(BaseModel):
     # gRPC: reject calls whose API key (metadata) is not in api_key_cache_salts.
     grpc_require_api_key: bool = False
     max_prompt_tokens: int | None = Field(default=None, gt=0)  # None: the model's context
+    # HTTP bodies above this get 413 before they are parsed or tokenized.
+    max_request_bytes: int = Field(default=8 << 20, gt=0)
     request_timeout_s: float = Field(default=300.0, gt=0)
 
     @model_validator(mode="after")

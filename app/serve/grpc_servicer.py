@@ -3,9 +3,9 @@
 Ray Serve's gRPC proxy routes every call to the ingress deployment of the application named
 in the `application` metadata (or of the only application) and calls the method named like
 the RPC. An application has exactly one ingress, so these methods live on the same Ingress
-deployment as the HTTP routes (`Ingress` inherits `GrpcIngress`) and drive the same
-internals: the HTTP request models for validation, `_prompt`, `_generate_request`,
-`_choice`, `ChoiceStream` and the error mapping.
+deployment as the HTTP routes (`Ingress` inherits `GrpcIngress`). This is the gRPC adapter:
+the proto becomes the HTTP API's request model (app/serve/grpc_convert.py), then the shared
+`RequestNormalizer` and `RequestDriver` (the attributes declared on `GrpcIngress`) do the rest.
 
 Cancellation: when a client cancels or its deadline passes, gRPC cancels the proxy's call;
 the proxy cancels this replica's request, which cancels the choice streams, whose engine
@@ -19,13 +19,14 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from types import SimpleNamespace
 from typing import Any
 
 import grpc
 from ray import serve
 from ray.serve.grpc_util import RayServegRPCContext
 
+from app.serve.config import ServeArgs
+from app.serve.driver import RequestDriver
 from app.serve.grpc_convert import (
     GrpcError,
     UsageCounter,
@@ -40,8 +41,9 @@ from app.serve.grpc_convert import (
 from app.serve.grpc_gen.grpc.health.v1 import health_pb2
 from app.serve.grpc_gen.slimserve.v1 import generation_pb2 as pb
 from app.serve.grpc_registration import add_slimserve_grpc_servicers
+from app.serve.normalize import RequestNormalizer
 from app.serve.openai_protocol import APIError
-from app.serve.responses import ChoiceStream, detokenized
+from app.serve.responses import ChoiceStream
 
 # deploy/*.yaml name the registration function by this module's path (the proxy imports it).
 __all__ = ["GrpcIngress", "add_slimserve_grpc_servicers"]
@@ -60,6 +62,13 @@ class GrpcRequestError(Exception):
 
 class GrpcIngress:
     """gRPC methods of the Ingress deployment (mixed into app.serve.ingress.Ingress)."""
+
+    # Set by Ingress.__init__; everything the gRPC methods use of the ingress.
+    args: ServeArgs
+    model_name: str
+    tokenizer: Any
+    normalizer: RequestNormalizer
+    driver: RequestDriver
 
     # --- slimserve.v1.Generation ------------------------------------------------------
     async def Generate(
@@ -98,16 +107,17 @@ class GrpcIngress:
         try:
             request = parsed(request)
             self._grpc_tenant(grpc_context)
-            self._grpc_model(request.model)
-            info = await self._describe()
+            self.normalizer.check_model(request.model)
+            info = await self.driver.describe()
             kind = request.WhichOneof("input")
             if kind == "chat":
-                ids = self.tokenizer.encode_chat(conversation(request.chat))
+                turns = conversation(request.chat)
+                ids = await asyncio.to_thread(self.tokenizer.encode_chat, turns)
             elif kind == "text":
-                ids = self.tokenizer.encode(request.text)
+                ids = await asyncio.to_thread(self.tokenizer.encode, request.text)
             else:
                 raise APIError(400, "input: set exactly one of text or chat")
-            return pb.TokenizeResponse(token_ids=ids, max_model_len=info["max_model_len"])
+            return pb.TokenizeResponse(token_ids=ids, max_model_len=info.max_model_len)
         except Exception as e:  # noqa: BLE001
             return self._grpc_unary_fail(grpc_context, e, pb.TokenizeResponse())
 
@@ -117,8 +127,8 @@ class GrpcIngress:
         try:
             request = parsed(request)
             self._grpc_tenant(grpc_context)
-            self._grpc_model(request.model)
-            vocab = (await self._describe())["vocab_size"]
+            self.normalizer.check_model(request.model)
+            vocab = (await self.driver.describe()).vocab_size
             ids = list(request.token_ids)
             if any(t >= vocab for t in ids):
                 raise APIError(400, f"token_ids: every id must be in [0, {vocab})")
@@ -133,12 +143,12 @@ class GrpcIngress:
         try:
             request = parsed(request)
             self._grpc_tenant(grpc_context)
-            info = await self._describe()
+            info = await self.driver.describe()
             model = pb.Model(
                 id=self.model_name,
-                max_model_len=info["max_model_len"],
-                vocab_size=info["vocab_size"],
-                kv_cache_dtype=self.args.engine.kv_cache_dtype,
+                max_model_len=info.max_model_len,
+                vocab_size=info.vocab_size,
+                kv_cache_dtype=info.kv_cache_dtype,  # what the replicas use, never "auto"
             )
             return pb.ListModelsResponse(models=[model])
         except Exception as e:  # noqa: BLE001
@@ -187,47 +197,21 @@ class GrpcIngress:
     async def _grpc_start(
         self, request: pb.GenerateRequest, ctx: RayServegRPCContext
     ) -> tuple[str, ChoiceStream, UsageCounter]:
-        """Validate and start one request's choices (as the HTTP route does)."""
+        """Validate and start one request's choices (the shared path of both APIs)."""
         request = parsed(request)
-        salt = self._grpc_tenant(ctx)
-        self._grpc_model(request.model)
+        metadata = dict(ctx.invocation_metadata())
+        require = self.args.grpc_require_api_key
+        self.normalizer.tenant_salt(metadata, require_key=require)  # auth before anything
         body = http_body(request, self.model_name)
         rid = request_id(request, "grpc-" + uuid.uuid4().hex)
-        info = await self._describe()
-        prompt = self._prompt(body, info)
-        params = body.to_params()
-        metadata = SimpleNamespace(headers=dict(ctx.invocation_metadata()))  # routing hints
-        eos = frozenset(info["eos_token_ids"])
-        choices = [
-            detokenized(
-                self._choice(self._generate_request(rid, i, prompt, params, salt, info, metadata)),
-                self.tokenizer,
-                params,
-                eos,
-            )
-            for i in range(params.n)
-        ]
-        return rid, ChoiceStream(choices), UsageCounter(len(prompt), params.n)
-
-    def _grpc_model(self, model: str) -> None:
-        if model and model != self.model_name:
-            raise APIError(
-                404, f"model {model!r} does not exist; this server serves {self.model_name!r}"
-            )
+        req = await self.normalizer.normalize(body, metadata, request_id=rid, require_key=require)
+        stream = await self.driver.start(req)
+        return rid, stream, UsageCounter(len(req.prompt_token_ids), req.params.n)
 
     def _grpc_tenant(self, ctx: RayServegRPCContext) -> str | None:
         """The caller's cache salt; UNAUTHENTICATED when a key is required and not known."""
         metadata = dict(ctx.invocation_metadata())
-        key = metadata.get("authorization", "").removeprefix("Bearer ").strip()
-        key = key or metadata.get("x-api-key", "").strip()
-        salts = self.args.api_key_cache_salts
-        if key in salts:
-            return salts[key]
-        if self.args.grpc_require_api_key:
-            why = "is missing" if not key else "is not a known key"
-            raise APIError(401, f"the API key {why}: send metadata 'authorization: Bearer <key>'")
-        header = self.args.cache_salt_header
-        return metadata.get(header.lower()) if header else None
+        return self.normalizer.tenant_salt(metadata, require_key=self.args.grpc_require_api_key)
 
     def _grpc_fail(self, ctx: RayServegRPCContext, error: GrpcError) -> GrpcRequestError:
         ctx.set_code(error.code)
@@ -253,7 +237,7 @@ class GrpcIngress:
         Asked of the controller rather than of the replicas, so that a saturated replica
         (whose request queue is full) still counts as healthy.
         """
-        names = [h.deployment_name for h in (self.prefill, self.decode, self.engine) if h]
+        names = [h.deployment_name for h in self.driver.handles]
         try:
             status = await asyncio.wait_for(asyncio.to_thread(serve.status), HEALTH_TIMEOUT_S)
             app = status.applications[serve.get_replica_context().app_name]
@@ -267,7 +251,7 @@ class GrpcIngress:
 
     async def _grpc_replica_stats(self) -> dict[str, Any]:
         """The generating replica's engine stats, or {} if it does not answer in time."""
-        response = (self.decode or self.engine).stats.remote()
+        response = self.driver.generating.stats.remote()
         try:
             return await asyncio.wait_for(_result(response), STATS_TIMEOUT_S)
         except Exception:  # noqa: BLE001

@@ -46,7 +46,9 @@ class StreamOptions(BaseModel):
 
 class _SamplingFields(BaseModel):
     # strict: "5" is not a number and true is not 1; unknown fields are ignored like OpenAI.
-    model_config = ConfigDict(extra="ignore", strict=True)
+    # No inf/NaN anywhere: an infinite penalty or temperature has no meaning (and poisons the
+    # batch's logits).
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -59,7 +61,7 @@ class _SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)  # what a generator takes
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     repetition_penalty: float = Field(default=1.0, gt=0)

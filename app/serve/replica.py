@@ -106,6 +106,7 @@ class EngineHost:
             "max_model_len": cfg.max_position_embeddings,
             "vocab_size": cfg.vocab_size,
             "eos_token_ids": sorted(self.engine.outputs.eos_ids),
+            "kv_cache_dtype": self.engine.kv_spec.dtype_name,  # resolved: never "auto"
         }
 
     def chunk_keys(self, prompt: list[int], cache_salt: str | None) -> list[bytes]:

@@ -122,6 +122,10 @@ BAD = [
     (b'{"model": "tiny", "prompt": [1, 99999]}', 400, "token ids"),
     (b'{"model": "tiny", "prompt": "hi", "cache_salt": "x"}', 400, "operator"),
     (b'{"model": "gpt-4", "prompt": "hi"}', 404, "does not exist"),
+    # Seen as 500s before app/serve/http_input.py: RecursionError and TypeError.
+    (b'{"model": "tiny", "prompt": "hi", "x": ' + b"[" * 1000 + b"]" * 1000 + b"}", 400, "nested"),
+    (b'{"model": "tiny", "prompt": "hi \\ud800"}', 400, "lone surrogate"),
+    (b'{"model": "tiny", "prompt": "hi", "repetition_penalty": 1e999}', 400, "repetition_penalty"),
 ]
 
 
@@ -133,6 +137,22 @@ def test_malformed_requests_get_openai_errors(url, body, status, words):
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert words.lower() in err["message"].lower() and err["type"]
+
+
+def test_chat_surrogate_and_wrong_routes_are_openai_errors(url):
+    """Seen failing before: a lone surrogate in chat content was a 500 (TypeError in the
+    tokenizer); 404 and 405 were FastAPI's {"detail": ...}, not OpenAI error JSON."""
+    chat = b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}]}'
+    headers = {"content-type": "application/json"}
+    r = httpx.post(url + "/v1/chat/completions", content=chat, headers=headers)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.content"
+    for r, status in (
+        (httpx.get(url + "/v1/completions"), 405),
+        (httpx.post(url + "/v1/nothing-here", json={}), 404),
+    ):
+        assert r.status_code == status
+        err = r.json()["error"]
+        assert err["type"] == "invalid_request_error" and err["message"]
 
 
 def test_over_long_prompt_and_server_still_healthy(client, offline):

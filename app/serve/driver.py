@@ -1,0 +1,117 @@
+"""Drives one normalised request through the engine replicas; shared by both API adapters.
+
+Colocated: one `EngineServer.generate` stream per choice. Disaggregated: `prefill` (first
+token + the prompt's KV as store chunks), then `DecodeServer.generate` for the rest.
+Cancelling a choice's stream cancels the replica call, whose engine aborts the request and
+frees its KV blocks at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ray.serve.handle import DeploymentHandle
+
+from app.engine.request import RequestDelta
+from app.serve.messages import DecodeRequest, GenerateRequest, RoutingInfo
+from app.serve.metrics import ReplicaMetrics
+from app.serve.normalize import EngineInfo, NormalizedRequest
+from app.serve.responses import DONE_REASONS, ChoiceStream, detokenized
+
+_PLACEMENTS = 1024  # placements kept for the debug view; streams never collect theirs
+
+
+async def _stream(response) -> AsyncIterator[Any]:
+    """Iterate a streaming DeploymentResponseGenerator; cancel it if we stop early."""
+    done = False
+    try:
+        async for item in response:
+            yield item
+        done = True
+    finally:
+        if not done:
+            response.cancel()
+
+
+class RequestDriver:
+    def __init__(
+        self,
+        tokenizer,
+        metrics: ReplicaMetrics,
+        prefill: DeploymentHandle | None = None,
+        decode: DeploymentHandle | None = None,
+        engine: DeploymentHandle | None = None,
+        record_placement: bool = False,
+    ):
+        assert (engine is None) != (prefill is None and decode is None), "one mode"
+        self.tokenizer, self.metrics = tokenizer, metrics
+        self.prefill, self.decode, self.engine = prefill, decode, engine
+        self.record_placement = record_placement
+        self._info: EngineInfo | None = None
+        self.placement: dict[str, dict[str, Any]] = {}  # engine request id -> where it ran
+
+    @property
+    def handles(self) -> list[DeploymentHandle]:
+        return [h for h in (self.prefill, self.decode, self.engine) if h is not None]
+
+    @property
+    def generating(self) -> DeploymentHandle:
+        """The deployment that holds the running requests (decode or colocated engine)."""
+        return self.decode or self.engine  # type: ignore[return-value]
+
+    async def describe(self) -> EngineInfo:
+        if self._info is None:
+            handle = self.prefill or self.engine
+            self._info = EngineInfo.from_describe(await handle.describe.remote())
+        return self._info
+
+    async def start(self, req: NormalizedRequest) -> ChoiceStream:
+        """The request's choices as one stream (nothing runs until it is first read)."""
+        info = await self.describe()
+        role = "prefill" if self.prefill is not None else "engine"
+        choices = [
+            detokenized(
+                self._timed(req.choice(i, info, role)),
+                self.tokenizer,
+                req.params,
+                info.eos_token_ids,
+            )
+            for i in range(req.params.n)
+        ]
+        return ChoiceStream(choices)
+
+    def placements(self, req: NormalizedRequest) -> list[dict[str, Any] | None]:
+        return [self.placement.pop(f"{req.engine_id}-{i}", None) for i in range(req.params.n)]
+
+    def _timed(self, gen: GenerateRequest) -> AsyncIterator[RequestDelta]:
+        """One choice's deltas, timed: TTFT, inter-token and e2e latency, token counts."""
+        return self.metrics.timed(self._choice_deltas(gen), len(gen.prompt_token_ids))
+
+    async def _choice_deltas(self, gen: GenerateRequest) -> AsyncIterator[RequestDelta]:
+        if self.engine is not None:
+            async for delta in _stream(self.engine.options(stream=True).generate.remote(gen)):
+                yield delta
+            return
+        response = self.prefill.prefill.remote(gen)
+        try:
+            result = await response
+        except asyncio.CancelledError:
+            response.cancel()
+            raise
+        if self.record_placement:
+            if len(self.placement) > _PLACEMENTS:
+                self.placement.pop(next(iter(self.placement)))
+            self.placement[gen.request_id] = {
+                "prefill_replica": result.replica,
+                "store_tokens": result.num_store_tokens,
+                "store_failures": result.store_failures,
+            }
+        yield result.first
+        if result.first.finish_reason in DONE_REASONS:
+            return
+        routing = RoutingInfo(gen.routing.num_tokens, gen.routing.chunk_keys, None)
+        request = DecodeRequest(gen, result, routing)
+        async for delta in _stream(self.decode.options(stream=True).generate.remote(request)):
+            yield delta
