@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import torch
 
@@ -22,6 +23,7 @@ from app.engine.sampling_params import SamplingParams
 from app.engine.scheduler import Scheduler
 from app.engine.sequence import SeqStatus, Sequence
 from app.engine.spec.deltas import merge_deltas
+from app.engine.spec.factory import extra_kv_layers, make_speculator, uses_mtp
 from app.engine.structured.manager import StructuredOutputs
 from app.engine.tp_driver import min_over_ranks
 from app.models.loader import load_model
@@ -51,8 +53,9 @@ class Engine:
             raise
 
     def _build(self, config: EngineConfig, progress: bool) -> None:
+        spec = config.speculative_config
         self.model, self.model_config = load_model(
-            config.model, self.dtype, self.device, self.tp_ctx, progress=progress
+            config.model, self.dtype, self.device, self.tp_ctx, progress, mtp=uses_mtp(spec)
         )
         self._maybe_quantize()
         self.tokenizer = Tokenizer.from_path(config.model, self.model_config.eos_token_ids)
@@ -75,13 +78,7 @@ class Engine:
         )
         self.outputs = OutputProcessor(self.model_config.max_position_embeddings, eos)
         self.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size, eos)
-        self.speculator = None
-        if config.speculative_config is not None:
-            from app.engine.spec.speculator import Speculator
-
-            self.speculator = Speculator(
-                config.speculative_config, self.blocks, self.model_config.max_position_embeddings
-            )
+        self.speculator = make_speculator(self, ops) if spec is not None else None
         self.seqs: dict[str, list[Sequence]] = {}
         self._pending: list[RequestDelta] = []
 
@@ -113,7 +110,9 @@ class Engine:
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free * cache.gpu_memory_utilization)
         budget = budget if budget is not None else cache.cpu_kv_cache_bytes
-        return self.kv_spec.num_blocks(budget)
+        # Model proposers' KV layers (MTP) share the block ids, so a block costs both.
+        extra = extra_kv_layers(self.config.speculative_config)
+        return replace(self.kv_spec, num_layers=self.kv_spec.num_layers + extra).num_blocks(budget)
 
     @property
     def salt_base(self) -> tuple[str, str, str]:
@@ -200,6 +199,7 @@ class Engine:
             if self.structured.compiling and not deltas:
                 self.structured.wait(0.05)  # idle until a grammar compiles; no busy loop
             return deltas
+        starts = [seq.num_computed_tokens for seq, _ in out.scheduled]
         logits, sampled = self.runner.execute(out.scheduled)
         for seq, n in out.scheduled:  # proposed tokens count once verified (settle)
             seq.num_computed_tokens += n - len(seq.spec_tokens)
@@ -218,6 +218,8 @@ class Engine:
             if seq.finished:
                 self._finish(seq)
             deltas.append(delta)
+        if self.speculator is not None:
+            self.speculator.after_step(out.scheduled, starts, self.runner.last_hidden)
         return deltas
 
     def _sample(self, logits: torch.Tensor, sampled: list[Sequence]) -> list[list]:

@@ -31,6 +31,7 @@ class ModelRunner:
         # A model whose softmax scale is not head_dim**-0.5 (MLA, YaRN mscale) declares it.
         self.scale = getattr(model, "attn_scale", None) or head_dim**-0.5
         self.block_size = cache.spec.block_size
+        self.keep_hidden, self.last_hidden = False, None
 
     def prepare(self, batch: list[tuple[Sequence, int]], all_rows: bool = False) -> BatchInputs:
         bs = self.block_size
@@ -85,6 +86,8 @@ class ModelRunner:
         """The forward pass alone (tensor-parallel workers run it on rank 0's inputs)."""
         attn = PagedAttention(self.ops, self.cache, inp.meta, self.scale)
         hidden = self.model(inp.ids, inp.positions, attn)  # [T, hidden]
+        if self.keep_hidden:  # model proposers (MTP) read every row's hidden state
+            self.last_hidden = hidden
         if not len(inp.sample_rows):
             return hidden.new_empty(0, 0, dtype=torch.float32)
         return self.model.compute_logits(hidden[inp.sample_rows])

@@ -82,26 +82,41 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
         raise ValueError(f"checkpoint is missing tensors for: {', '.join(missing[:8])}")
 
 
-def build_model(cfg: ModelConfig, dtype: torch.dtype, device, tp: TPContext = SINGLE) -> nn.Module:
+def build_model(
+    cfg: ModelConfig, dtype: torch.dtype, device, tp: TPContext = SINGLE, mtp: bool = False
+) -> nn.Module:
+    """mtp: also build the checkpoint's multi-token-prediction layers (app/models/mtp.py)."""
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
             model = model_class(cfg.architecture)(cfg, tp)
+            if mtp:
+                if not hasattr(model, "add_mtp_layers"):
+                    raise ValueError(f"{cfg.architecture} has no multi-token-prediction layers")
+                model.add_mtp_layers(tp)
     finally:
         torch.set_default_dtype(old)
     return model.eval()
 
 
 def load_model(
-    path: str, dtype: torch.dtype, device, tp: TPContext = SINGLE, progress: bool = False
+    path: str,
+    dtype: torch.dtype,
+    device,
+    tp: TPContext = SINGLE,
+    progress: bool = False,
+    mtp: bool = False,
 ) -> tuple[nn.Module, ModelConfig]:
     cfg = ModelConfig.from_path(path)
-    model = build_model(cfg, dtype, device, tp)
+    model = build_model(cfg, dtype, device, tp, mtp)
     weights = iter_checkpoint_lazy(path, progress)
     skips = getattr(model, "skips_weight", None)
     if skips is not None:  # another rank's experts are never read
         weights = ((n, t) for n, t in weights if not skips(n))
+    rename = getattr(model, "checkpoint_name", None)
+    if rename is not None:  # e.g. MTP layers: model.layers.{L + i} -> mtp.layers.{i}
+        weights = ((rename(n), t) for n, t in weights)
     if cfg.quantization_config:  # INT4 / FP8 checkpoints: app.quant swaps modules, converts
         from app.quant.formats import prepare_quantized
 

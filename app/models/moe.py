@@ -203,8 +203,9 @@ class MoECausalLM(nn.Module):
     """Base of the MoE families: subclasses give `make_attention(cfg, layer, tp)`.
 
     Multi-token-prediction layers some checkpoints carry (`model.layers.{L}`, L >=
-    num_hidden_layers: GLM-4.5's layer 92, DeepSeek-V3's 61) are not built; their tensors
-    are skipped unread (`skips_weight`), INT4 ones included.
+    num_hidden_layers: GLM-4.5's layer 92, DeepSeek-V3's 61) are built only for MTP
+    speculative decoding (`add_mtp_layers`, app/models/mtp.py); otherwise their tensors are
+    skipped unread (`skips_weight`), INT4 ones included.
     """
 
     packed_modules_mapping = {
@@ -220,16 +221,30 @@ class MoECausalLM(nn.Module):
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.mtp = None
 
     def make_attention(self, cfg: ModelConfig, layer: int, tp: TPContext) -> nn.Module:
         raise NotImplementedError
+
+    def add_mtp_layers(self, tp: TPContext = SINGLE) -> None:
+        """Builds the checkpoint's MTP layers (`self.mtp`) so that they load and can run."""
+        from app.models.mtp import MTPHead
+
+        self.mtp = MTPHead(self, self.config, tp)
+
+    def checkpoint_name(self, name: str) -> str:
+        return self.mtp.checkpoint_name(name) if self.mtp is not None else name
 
     def skips_weight(self, name: str) -> bool:
         """True for checkpoint tensors of routed experts another expert-parallel rank owns,
         and for multi-token-prediction layers (names or module prefixes)."""
         layer = _LAYER.match(name)
         if layer is not None and int(layer.group(1)) >= self.config.num_hidden_layers:
-            return True
+            mtp = self.mtp
+            if mtp is None or int(layer.group(1)) >= mtp.first_layer + len(mtp.layers):
+                return True
+            if mtp.skips(name):
+                return True
         m = _EXPERT.search(name)
         return m is not None and int(m.group(1)) not in self._local_experts
 

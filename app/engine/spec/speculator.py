@@ -10,7 +10,7 @@ sees a rejected token) and gives back the blocks that only rejected tokens used.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -18,6 +18,7 @@ from app.config import SpeculativeConfig
 from app.engine.block_manager import BlockManager
 from app.engine.request import TokenLogprob
 from app.engine.sequence import Sequence
+from app.engine.spec.mtp import Span
 from app.engine.spec.ngram import AcceptanceBackoff, NgramProposer
 from app.engine.spec.sampling import target_tokens
 from app.engine.spec.verify import verify_point_mass
@@ -45,33 +46,43 @@ class SpecStats:
         }
 
 
+@dataclass(slots=True)
+class SeqSpecState:
+    backoff: AcceptanceBackoff
+    drafts: list[int] = field(default_factory=list)  # model proposers: drafted after a step
+
+
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, blocks: BlockManager, max_model_len: int):
-        if config.method != "ngram":
-            raise ValueError(f"speculative method {config.method!r} is not available yet")
+    def __init__(
+        self, config: SpeculativeConfig, blocks: BlockManager, max_model_len: int, drafter=None
+    ):
+        """drafter: the model proposer (MTP, draft model) with after_step(); None: n-gram."""
         self.config, self.blocks, self.max_model_len = config, blocks, max_model_len
-        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.drafter = drafter
         self.stats = SpecStats()
 
     def propose(self, running: list[Sequence]) -> None:
         for seq in running:
             seq.spec_tokens = []
-            # Grammar-constrained sequences do not speculate: their mask depends on every
-            # token before, so each proposal would need its own matcher state.
-            if not seq.is_decode or seq.request.prefill_only or seq.grammar is not None:
+            if not seq.is_decode or not _may_speculate(seq):
                 continue
             if seq.spec_state is None:
-                seq.spec_state = AcceptanceBackoff(self.config.num_speculative_tokens)
+                seq.spec_state = SeqSpecState(AcceptanceBackoff(self.config.num_speculative_tokens))
             k = self._budget(seq)
-            if k > 0:
-                seq.spec_tokens = self.proposer.propose(seq.token_ids, k)
+            if k <= 0:
+                continue
+            if self.drafter is None:
+                seq.spec_tokens = self.ngram.propose(seq.token_ids, k)
+            else:
+                seq.spec_tokens = seq.spec_state.drafts[:k]
 
     def _budget(self, seq: Sequence) -> int:
         """k for this step: backoff, and never past max_tokens or the context length (the
         target's own token comes on top of the proposals)."""
         k = self.config.num_speculative_tokens
         if self.config.backoff:
-            k = seq.spec_state.num_to_propose()
+            k = seq.spec_state.backoff.num_to_propose()
         left = min(
             seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens
         )
@@ -106,7 +117,7 @@ class Speculator:
         self.stats.verify_steps += 1
         self.stats.emitted += accepted + 1
         if seq.spec_state is not None:
-            seq.spec_state.update(proposed, accepted)
+            seq.spec_state.backoff.update(proposed, accepted)
 
     def settle(self, seq: Sequence, num_emitted: int) -> None:
         """After the emitted tokens were appended: the accepted proposals' KV is the
@@ -118,6 +129,32 @@ class Speculator:
         if len(seq.block_table) > need:
             self.blocks.release(reversed(seq.block_table[need:]))
             del seq.block_table[need:]
+
+    def after_step(self, scheduled: list, starts: list[int], hidden) -> None:
+        """Model proposers draft for the next step from this step's hidden states [T, H]
+        (scheduled: the step's (sequence, new tokens); starts: computed tokens before)."""
+        if self.drafter is None:
+            return
+        spans, rows, row = [], [], 0
+        for (seq, n), start in zip(scheduled, starts):
+            if not seq.finished:  # a finished sequence's blocks are gone
+                spans.append(Span(seq, start, seq.num_computed_tokens - start))
+                rows.append(row)
+            row += n
+        draft = [s.seq for s in spans if s.seq.prompt_done and _may_speculate(s.seq)]
+        for seq in draft:
+            if seq.spec_state is None:
+                seq.spec_state = SeqSpecState(AcceptanceBackoff(self.config.num_speculative_tokens))
+        k = self.config.num_speculative_tokens
+        drafts = self.drafter.after_step(spans, hidden, rows, draft, k)
+        for seq in draft:
+            seq.spec_state.drafts = drafts.get(seq.seq_id, [])
+
+
+def _may_speculate(seq: Sequence) -> bool:
+    # Grammar-constrained sequences do not speculate: their mask depends on every token
+    # before, so each proposal would need its own matcher state.
+    return not seq.request.prefill_only and seq.grammar is None
 
 
 def _logprob(raw_lp, row: int, token: int, k: int | None) -> TokenLogprob | None:
