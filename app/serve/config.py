@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -26,11 +26,18 @@ class EngineArgs(BaseModel):
     # Ranks per replica (docs/parallelism.md): workers are Ray actors in its placement group.
     tensor_parallel_size: int = Field(default=1, ge=1)
     enable_expert_parallel: bool = False
+    # app.config.SpeculativeConfig's fields, e.g. {method: ngram, num_speculative_tokens: 3}.
+    # Decode (and colocated) replicas speculate; prefill replicas never decode.
+    speculative_config: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _chunk_is_whole_blocks(self) -> EngineArgs:
         if self.chunk_tokens % self.block_size:
             raise ValueError("chunk_tokens must be a multiple of block_size")
+        if self.speculative_config is not None:  # unknown keys and bad values fail here
+            from app.config import SpeculativeConfig  # lazily: app.config imports torch
+
+            SpeculativeConfig.from_any(self.speculative_config)
         return self
 
 

@@ -73,11 +73,25 @@ SPECS: dict[str, MetricSpec] = {
         "counter", "KV chunks dropped after a failed check (reason=integrity|fetch).", ("reason",)
     ),
     "slimserve:preemptions": MetricSpec("counter", "Sequences preempted for lack of KV blocks."),
+    # Speculative decoding (vLLM's spec_decode names): acceptance rate = accepted / draft
+    # tokens; mean accepted length (tokens per target forward) = 1 + accepted / drafts.
+    "slimserve:spec_decode_num_drafts": MetricSpec(
+        "counter", "Sequence-steps that verified at least one proposed token."
+    ),
+    "slimserve:spec_decode_num_draft_tokens": MetricSpec("counter", "Proposed tokens verified."),
+    "slimserve:spec_decode_num_accepted_tokens": MetricSpec(
+        "counter", "Proposed tokens accepted by verification."
+    ),
     "slimserve:prompt_tokens": MetricSpec("counter", "Prompt tokens of completed choices."),
     "slimserve:generation_tokens": MetricSpec("counter", "Generated tokens."),
 }
 
 _BASE_TAGS = ("model", "role")
+_SPEC_COUNTERS = (  # metric <- Engine.stats() key
+    ("slimserve:spec_decode_num_drafts", "spec_verify_steps"),
+    ("slimserve:spec_decode_num_draft_tokens", "spec_proposed_tokens"),
+    ("slimserve:spec_decode_num_accepted_tokens", "spec_accepted_tokens"),
+)
 _registry: dict[str, Any] = {}  # one Ray metric object per name per process
 
 
@@ -136,6 +150,9 @@ class ReplicaMetrics:
         self._count(*blocks, stats, block_size, local)
         self._count("slimserve:prefix_cache_hits", "prefix_cache_hits", stats, block_size, local)
         self._count("slimserve:preemptions", "preemptions", stats, 1, self.tags)
+        for name, key in _SPEC_COUNTERS:
+            if key in stats:  # only engines that speculate report these
+                self._count(name, key, stats, 1, self.tags)
 
     def _count(self, name: str, key: str, stats: dict, scale: int, tags: dict) -> None:
         value = float(stats[key])

@@ -42,6 +42,7 @@ def engine_config(args: EngineArgs) -> EngineConfig:
         weight_quant=args.weight_quant,
         tensor_parallel_size=args.tensor_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel,
+        speculative_config=args.speculative_config,
         cache=CacheConfig(
             block_size=args.block_size,
             kv_cache_dtype=args.kv_cache_dtype,

@@ -137,7 +137,7 @@ class Speculator:
             return
         spans, rows, row = [], [], 0
         for (seq, n), start in zip(scheduled, starts):
-            if not seq.finished:  # a finished sequence's blocks are gone
+            if not seq.finished and _may_speculate(seq):  # finished: its blocks are gone
                 spans.append(Span(seq, start, seq.num_computed_tokens - start))
                 rows.append(row)
             row += n
