@@ -177,7 +177,7 @@ class EngineConfig:
     model: str
     dtype: str = "auto"  # auto: bf16 on CUDA, float32 on CPU
     device: str = "auto"
-    weight_quant: str | None = None  # None | "int4"
+    weight_quant: str | None = None  # None | "int4" | "fp8" (quantize on load)
     attention_backend: str = "auto"  # auto | torch | reference | triton
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False  # MoE: whole experts partitioned across TP ranks
@@ -188,8 +188,10 @@ class EngineConfig:
 
     def __post_init__(self):
         self.speculative_config = SpeculativeConfig.from_any(self.speculative_config)
-        if self.weight_quant not in (None, "int4"):
-            raise ValueError(f"weight_quant must be None or 'int4', got {self.weight_quant!r}")
+        if self.weight_quant not in (None, "int4", "fp8"):
+            raise ValueError(
+                f"weight_quant must be None, 'int4' or 'fp8', got {self.weight_quant!r}"
+            )
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.attention_backend not in ("auto", "torch", "reference", "triton"):

@@ -23,11 +23,13 @@ from kernels import reference
 
 __all__ = [
     "force_triton",
+    "fp8_gemm",
     "int4_gemm",
     "kv_write",
     "paged_decode_attention",
     "paged_prefill_attention",
     "triton_available",
+    "triton_fp8_gemm",
     "triton_int4_gemm",
     "triton_kv_write",
     "triton_paged_decode_attention",
@@ -35,7 +37,13 @@ __all__ = [
     "use_triton",
 ]
 
-_DISPATCH = ("int4_gemm", "kv_write", "paged_decode_attention", "paged_prefill_attention")
+_DISPATCH = (
+    "fp8_gemm",
+    "int4_gemm",
+    "kv_write",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+)
 
 
 class _Package(types.ModuleType):
@@ -86,6 +94,10 @@ def triton_int4_gemm(*args, **kwargs) -> torch.Tensor:
     return _kernel("int4_gemm", "int4_gemm")(*args, **kwargs)
 
 
+def triton_fp8_gemm(*args, **kwargs) -> torch.Tensor:
+    return _kernel("fp8_gemm", "fp8_gemm")(*args, **kwargs)
+
+
 def triton_kv_write(*args, **kwargs) -> None:
     return _kernel("kv_write", "kv_write")(*args, **kwargs)
 
@@ -102,6 +114,12 @@ def int4_gemm(x, qweight, scales, zeros, group_size: int) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W.T, W from INT4 qweight [N, K // 8]; see kernels/README.md."""
     fn = triton_int4_gemm if use_triton(x) else reference.int4_gemm
     return fn(x, qweight, scales, zeros, group_size)
+
+
+def fp8_gemm(x, weight, scale, block: tuple[int, int]) -> torch.Tensor:
+    """y [M, N] = x [M, K] @ W.T, W = FP8 weight [N, K] * block scale; see kernels/README.md."""
+    fn = triton_fp8_gemm if use_triton(x) else reference.fp8_gemm
+    return fn(x, weight, scale, block)
 
 
 def kv_write(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping) -> None:

@@ -173,3 +173,25 @@ def int4_gemm(
         group_size, dim=1
     )
     return (x.float() @ w.T).to(x.dtype)
+
+
+def dequantize_fp8_blocks(
+    weight: torch.Tensor,  # [N, K] float8_e4m3fn
+    scale: torch.Tensor,  # [ceil(N / bn), ceil(K / bk)] float32
+    block: tuple[int, int],  # (bn, bk)
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """W[n, k] = weight[n, k] * scale[n // bn, k // bk] -> [N, K] dtype."""
+    n, k = weight.shape
+    s = scale.float().repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
+    return (weight.float() * s).to(dtype)
+
+
+def fp8_gemm(
+    x: torch.Tensor,  # [M, K] fp16/bf16/fp32
+    weight: torch.Tensor,  # [N, K] float8_e4m3fn
+    scale: torch.Tensor,  # [ceil(N / bn), ceil(K / bk)] float32
+    block: tuple[int, int],  # (bn, bk): 128x128 blocks, (1, K) per channel, (1, 128) rows
+) -> torch.Tensor:
+    """y = x @ W.T with W the block-scaled FP8 weight, in fp32, -> [M, N] x.dtype."""
+    return (x.float() @ dequantize_fp8_blocks(weight, scale, block).T).to(x.dtype)

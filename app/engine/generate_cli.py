@@ -18,7 +18,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=-1)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--kv-cache-dtype", default="auto")
-    p.add_argument("--weight-quant", default=None, choices=[None, "int4"])
+    p.add_argument("--weight-quant", default=None, choices=[None, "int4", "fp8"])
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
 

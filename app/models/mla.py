@@ -55,11 +55,11 @@ class MLAAttention(nn.Module):
         self._absorbed: tuple | None = None
 
     def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(W_UK [H, Dn, R], W_UV [H, Dv, R]) from kv_b_proj, dense even if it is INT4."""
+        """(W_UK [H, Dn, R], W_UV [H, Dv, R]) from kv_b_proj, dense even if it is INT4/FP8."""
         proj = self.kv_b_proj
         if self._absorbed is None or self._absorbed[0] is not proj:  # built once per module
-            if hasattr(proj, "dequantized_weight"):  # Int4Linear (app.quant)
-                w = proj.dequantized_weight(proj.scales.dtype)
+            if hasattr(proj, "dequantized_weight"):  # Int4Linear / Fp8Linear (app.quant)
+                w = proj.dequantized_weight(proj.params_dtype)
             else:
                 w = proj.weight.detach()
             w = w.view(self.n_heads, self.nope + self.v_head_dim, self.kv_lora_rank)

@@ -1,4 +1,4 @@
-"""Module replacement: swap a loaded model's linear layers for `Int4Linear`s.
+"""Module replacement: swap a loaded model's linear layers for `Int4Linear`s or `Fp8Linear`s.
 
 Only linear layers are candidates (our `LinearBase` family and `nn.Linear`); the LM head,
 embeddings and norms are other module types and stay in their dtype. `skip` adds patterns
@@ -14,18 +14,21 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from app.quant.fp8 import quantize_fp8_block
+from app.quant.fp8_linear import Fp8Linear
 from app.quant.gptq import quantize_gptq
 from app.quant.int4 import GROUP_SIZES, quantize_rtn
 from app.quant.int4_linear import Int4Linear
 
 log = logging.getLogger(__name__)
 DEFAULT_GROUP_SIZE = 128
+FP8_BLOCK = (128, 128)
 
 
 def is_linear(module: nn.Module) -> bool:
     from app.models.layers import LinearBase
 
-    return isinstance(module, (LinearBase, nn.Linear))
+    return isinstance(module, (LinearBase, nn.Linear, Fp8Linear))
 
 
 def matches_any(name: str, patterns: Iterable[str]) -> bool:
@@ -66,7 +69,8 @@ def _row_shards(layer: nn.Module) -> int:
     """How many ranks split this layer's input features (row-parallel), else 1."""
     from app.models.layers import RowParallelLinear
 
-    return layer.tp.size if isinstance(layer, RowParallelLinear) else 1
+    row = isinstance(layer, RowParallelLinear) or getattr(layer, "row_parallel", False)
+    return layer.tp.size if row else 1
 
 
 def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
@@ -101,7 +105,7 @@ def quantize_model(
         if g is None:
             log.warning("%s: in_features=%d fits no group; left dense", name, full_in)
             continue
-        w = layer.weight.data
+        w = _dense_weight(layer)
         if hessians is not None and name in hessians:
             h = hessians[name].to(w.device)
             qw = quantize_gptq(w, h, g, symmetric, act_order, scale_dtype=w.dtype)
@@ -117,15 +121,47 @@ def quantize_model(
     return done
 
 
+def _dense_weight(layer: nn.Module) -> torch.Tensor:
+    """[N, K] in the layer's dtype (an FP8 checkpoint's Fp8Linear is dequantized)."""
+    if isinstance(layer, Fp8Linear):
+        return layer.dequantized_weight(layer.params_dtype)
+    return layer.weight.data
+
+
+@torch.no_grad()
+def quantize_model_fp8(
+    model: nn.Module, block: tuple[int, int] = FP8_BLOCK, skip: Iterable[str] = ()
+) -> int:
+    """Replace every dense linear with an `Fp8Linear` (e4m3, one fp32 scale per block of the
+    rank-local weight). Returns how many were replaced."""
+    done = 0
+    for name, layer in linear_modules(model, skip).items():
+        if isinstance(layer, Fp8Linear):
+            continue
+        q, scale = quantize_fp8_block(layer.weight.data, block)
+        new = Fp8Linear.like(layer, block)
+        new.set_weight(q, scale, layer.bias.data if layer.bias is not None else None)
+        _replace(model, name, new)
+        layer.weight = None  # the dense copy is freed; only FP8 stays resident
+        done += 1
+    return done
+
+
 def apply_weight_quant(model: nn.Module, model_config, weight_quant: str | None) -> None:
     """The engine's hook for `weight_quant`: "int4" quantizes a non-INT4 checkpoint (RTN,
-    symmetric, group 128, falling back to 64/32 where 128 does not divide in_features)."""
+    symmetric, group 128, falling back to 64/32 where 128 does not divide in_features);
+    "fp8" quantizes dense linears to FP8 e4m3 with 128 x 128 block scales."""
     from app.quant.schemes import is_int4
 
     if weight_quant is None:
         return
-    if weight_quant != "int4":
-        raise ValueError(f"weight_quant must be None or 'int4', got {weight_quant!r}")
+    if weight_quant not in ("int4", "fp8"):
+        raise ValueError(f"weight_quant must be None, 'int4' or 'fp8', got {weight_quant!r}")
+    if weight_quant == "fp8":
+        if is_int4(getattr(model_config, "quantization_config", None)):
+            raise ValueError("weight_quant='fp8' on an INT4 checkpoint: it would not be smaller")
+        log.info("weight_quant=fp8: %d linear layers quantized", quantize_model_fp8(model))
+        return
     if is_int4(getattr(model_config, "quantization_config", None)):
         log.info("checkpoint is already INT4; weight_quant=int4 keeps it as loaded")
         return

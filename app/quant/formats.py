@@ -6,7 +6,9 @@ checkpoint tensors are INT4 with an empty `Int4Linear`, and returns a function t
 the loader's `(name, tensor)` stream: a quantized module's parts are buffered until all have
 arrived and then emitted in our layout (`qweight`, `scales`, `zeros`, `perm`) under the
 checkpoint's module name, so `packed_modules_mapping` and the TP weight loaders apply as for
-dense weights. FP8 and 8-bit formats are dequantized to dense `weight` tensors instead.
+dense weights. FP8 checkpoints (block-scaled `weight_scale_inv`, compressed-tensors
+float-quantized) swap in `Fp8Linear`s and stay FP8; 8-bit integer formats are dequantized to
+dense `weight` tensors.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from safetensors import safe_open
 from torch import nn
 
 from app.quant import layouts
-from app.quant.fp8 import dequantize_fp8_block
+from app.quant.fp8 import Fp8Format
+from app.quant.fp8_linear import Fp8Linear, block_for
 from app.quant.int4 import Int4Weight
 from app.quant.int4_linear import Int4Linear
 from app.quant.schemes import Int4Scheme, parse_quantization_config
@@ -124,8 +127,28 @@ class Int4Format:
         return _emit_int4(prefix, qw, perm)
 
 
+def _swap_fp8_modules(model: nn.Module, fmt: Fp8Format, shapes: dict, prefixes: list) -> None:
+    """Every linear with FP8 checkpoint tensors becomes an `Fp8Linear` (weight kept FP8)."""
+    merged: dict[str, tuple] = {}
+    for p in prefixes:
+        wshape = shapes[f"{p}.weight"]
+        block = fmt.checkpoint_block(wshape, shapes[f"{p}.{fmt.scale_name}"])
+        ours = _our_module(model, p)
+        if merged.setdefault(ours, (block, wshape[1])) != (block, wshape[1]):
+            raise ValueError(f"shards of {ours} have different FP8 scale blocks")
+        fmt.blocks[p] = block
+    modules = dict(model.named_modules())
+    for ours, (block, k_full) in merged.items():
+        layer = modules.get(ours)
+        if layer is None or not hasattr(layer, "in_features"):
+            raise ValueError(f"FP8 checkpoint tensors for {ours!r}, which is not a linear")
+        _replace(model, ours, Fp8Linear.like(layer, block_for(layer, block, k_full)))
+        layer.weight = None  # its weight_loader lives on in the Fp8Linear; no dense copy
+    log.info("FP8 checkpoint: %d linear modules kept in FP8", len(merged))
+
+
 class DenseFormat:
-    """FP8 block-scaled, compressed-tensors float-/naive-quantized: dequantized on load."""
+    """compressed-tensors naive-quantized (8-bit int): dequantized on load."""
 
     def __init__(self, kind: str, parts: tuple[str, ...], marker: str, block=None, dtype=None):
         self.kind, self.parts, self.marker, self.block = kind, parts, marker, block
@@ -133,13 +156,10 @@ class DenseFormat:
 
     def convert(self, prefix: str, parts: dict, scheme) -> list:
         w = parts["weight"]
-        if self.kind == "fp8-block":
-            dense = dequantize_fp8_block(w, parts["weight_scale_inv"], self.block, self.dtype)
-        else:
-            s = layouts.expand_scale(parts["weight_scale"], tuple(w.shape))
-            z = parts.get("weight_zero_point")
-            z = layouts.expand_scale(z, tuple(w.shape)) if z is not None else 0.0
-            dense = ((w.float() - z) * s).to(self.dtype)
+        s = layouts.expand_scale(parts["weight_scale"], tuple(w.shape))
+        z = parts.get("weight_zero_point")
+        z = layouts.expand_scale(z, tuple(w.shape)) if z is not None else 0.0
+        dense = ((w.float() - z) * s).to(self.dtype)
         return [(f"{prefix}.weight", dense)]
 
 
@@ -148,7 +168,8 @@ def prepare_quantized(
 ) -> Callable[[Stream], Iterator[tuple[str, torch.Tensor]]]:
     """Swap INT4 modules into `model` and return the checkpoint-stream converter.
 
-    Dense formats (FP8, 8-bit) need no model: pass None to just convert a stream."""
+    FP8 is kept FP8 in the given model; pass None to just convert a stream (FP8 and 8-bit
+    are then dequantized to dense tensors)."""
     plan = parse_quantization_config(quantization_config)
     shapes = checkpoint_shapes(path)
     fmt = plan.make_format(dtype)
@@ -171,6 +192,8 @@ def prepare_quantized(
             act_order = _has_act_order(parts_of[p], plan)
             scheme_of[p] = dataclasses.replace(scheme, act_order=act_order)
         _swap_int4_modules(model, scheme_of)
+    elif isinstance(fmt, Fp8Format) and model is not None:
+        _swap_fp8_modules(model, fmt, shapes, prefixes)
     return _Converter(scheme_of, parts_of, fmt)
 
 

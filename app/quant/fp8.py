@@ -54,3 +54,54 @@ def quantize_fp8_block(
     scale_inv = amax / FP8_MAX
     q = (padded / _expand_blocks(scale_inv, (pn, pk), (bn, bk))).clamp(-FP8_MAX, FP8_MAX)
     return q[:n, :k].to(FP8_DTYPE), scale_inv
+
+
+def scale_rows(scale: torch.Tensor, shape: tuple[int, int], block: tuple[int, int]):
+    """A [ceil(N/bn), ceil(K/bk)] block scale -> [N, ceil(K/bk)] float32, one row per weight
+    row: what `Fp8Linear`'s scale loader takes, so every TP / merged-shard loader slices the
+    scale exactly as it slices the weight. A per-channel/tensor scale -> [N, 1]."""
+    n, _ = shape
+    s = scale.float().reshape(-1, 1) if scale.dim() <= 1 else scale.float()
+    if s.shape[0] == 1 and n > 1:  # per tensor
+        return s.expand(n, s.shape[1]).contiguous()
+    if block[0] == 1 or s.shape[0] == n:
+        return s
+    return s.repeat_interleave(block[0], 0)[:n].contiguous()
+
+
+class Fp8Format:
+    """FP8 block-scaled (`weight_scale_inv`) or compressed-tensors float-quantized
+    (`weight_scale`, block/channel/tensor): kept FP8 (`Fp8Linear`) where the model was given
+    the module (`blocks[prefix]`), dequantized to dense `weight` otherwise."""
+
+    def __init__(self, scale_name: str, default_block, dtype=None):
+        self.parts, self.marker = ("weight", scale_name), scale_name
+        self.scale_name, self.default_block = scale_name, default_block
+        self.dtype = dtype or torch.bfloat16
+        self.blocks: dict[str, tuple[int, int]] = {}  # prefix -> checkpoint block, kept FP8
+
+    def checkpoint_block(self, shape: tuple[int, int], scale_shape: tuple[int, ...]):
+        """The checkpoint's (bn, bk) for a weight of `shape` and its scale's shape."""
+        n, k = shape
+        if len(scale_shape) < 2 or scale_shape[-1] == 1:  # per channel / per tensor
+            return (1 if len(scale_shape) and scale_shape[0] == n else n, k)
+        if self.default_block is not None:
+            return tuple(self.default_block)
+        rn, rk = scale_shape
+        return (-(-n // rn), -(-k // rk))
+
+    def convert(self, prefix: str, parts: dict, scheme=None) -> list:
+        w, scale = parts["weight"], parts[self.scale_name]
+        block = self.checkpoint_block(tuple(w.shape), tuple(scale.shape))
+        if prefix in self.blocks:
+            if w.dtype != FP8_DTYPE:
+                raise ValueError(f"{prefix}.weight is {w.dtype}, expected float8_e4m3fn")
+            rows = scale_rows(scale, tuple(w.shape), block)
+            return [(f"{prefix}.weight", w), (f"{prefix}.weight_scale_inv", rows)]
+        from app.quant.layouts import expand_scale
+
+        if scale.dim() == 2 and scale.shape[-1] > 1:
+            dense = dequantize_fp8_block(w, scale, block, self.dtype)
+        else:
+            dense = (w.float() * expand_scale(scale, tuple(w.shape))).to(self.dtype)
+        return [(f"{prefix}.weight", dense)]

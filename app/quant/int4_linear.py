@@ -171,12 +171,16 @@ class Int4Linear(nn.Module):
                 symmetric,
                 bias=layer.bias is not None,
                 act_order=act_order,
-                params_dtype=layer.weight.dtype,
+                params_dtype=getattr(layer, "params_dtype", layer.weight.dtype),
                 weight_loader=getattr(layer, "weight_loader", None),
                 tp=getattr(layer, "tp", SINGLE),
                 reduce_output=isinstance(layer, RowParallelLinear) and layer.reduce_results,
                 gather_output=getattr(layer, "gather_output", False),
             )
+
+    @property
+    def params_dtype(self) -> torch.dtype:
+        return self.scales.dtype
 
     @property
     def weight_int4(self) -> Int4Weight:

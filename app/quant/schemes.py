@@ -39,6 +39,7 @@ class QuantPlan:
 
     def make_format(self, dtype=None):
         from app.quant.formats import DenseFormat, Int4Format
+        from app.quant.fp8 import Fp8Format
 
         if self.fmt == "pack-quantized":
             parts = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point")
@@ -49,8 +50,9 @@ class QuantPlan:
         if self.fmt == "awq":
             return Int4Format("awq", ("qweight", "qzeros", "scales"), "qweight")
         if self.fmt == "fp8-block":
-            parts = ("weight", "weight_scale_inv")
-            return DenseFormat("fp8-block", parts, "weight_scale_inv", self.block_size, dtype)
+            return Fp8Format("weight_scale_inv", self.block_size, dtype)
+        if self.fmt == "float-quantized":
+            return Fp8Format("weight_scale", self.block_size, dtype)
         parts = ("weight", "weight_scale", "weight_zero_point")
         return DenseFormat(self.fmt, parts, "weight_scale", None, dtype)
 
@@ -123,8 +125,26 @@ def _compressed_tensors(cfg: dict[str, Any]) -> QuantPlan:
                 raise ValueError(f"group {name} quantizes activations; only W4A16 is supported")
             _ct_group_size(w)
             plan.act_order = plan.act_order or w.get("actorder") == "group"
+        elif fmt == "float-quantized":
+            _fp8_weights(name, w, plan)
         plan.groups.append((list(group.get("targets") or []), w))
     return plan
+
+
+def _fp8_weights(name: str, w: dict[str, Any], plan: QuantPlan) -> None:
+    """float-quantized weights are FP8 e4m3, per tensor/channel or in blocks (W8A16 here:
+    input activation quantization, if configured, is not applied)."""
+    if w.get("type") != "float" or w.get("num_bits") != 8:
+        found = f"type={w.get('type')!r} num_bits={w.get('num_bits')!r}"
+        raise ValueError(f"float-quantized group {name}: only float 8-bit, found {found}")
+    strategy = w.get("strategy")
+    if strategy not in ("tensor", "channel", "block"):
+        raise ValueError(f"float-quantized group {name}: strategy {strategy!r} not supported")
+    if strategy == "block":
+        block = tuple(int(b) for b in w.get("block_structure") or ())
+        if len(block) != 2 or plan.block_size not in (None, block):
+            raise ValueError(f"float-quantized group {name}: block_structure {block!r}")
+        plan.block_size = block
 
 
 def _gptq(cfg: dict[str, Any]) -> QuantPlan:

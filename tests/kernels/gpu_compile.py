@@ -30,9 +30,9 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 # Not `from kernels import int4_gemm`: that name is the dispatch function, not the module.
-attn_common, int4_gemm, kv_write, paged_decode, paged_prefill = (
+attn_common, fp8_gemm, int4_gemm, kv_write, paged_decode, paged_prefill = (
     importlib.import_module(f"kernels.{m}")
-    for m in ("attn_common", "int4_gemm", "kv_write", "paged_decode", "paged_prefill")
+    for m in ("attn_common", "fp8_gemm", "int4_gemm", "kv_write", "paged_decode", "paged_prefill")
 )
 
 FP8 = torch.float8_e4m3fn
@@ -160,6 +160,21 @@ def gemm_launches() -> list:
     return out
 
 
+def fp8_gemm_launches(arch: int) -> list:
+    out = []
+    w = torch.zeros(4096, 4096, dtype=FP8)
+    s = torch.zeros(32, 32, dtype=torch.float32)
+    real = fp8_gemm._fp8_operand  # below sm_89 the weight goes in as uint8 bits
+    fp8_gemm._fp8_operand = lambda t: t if arch >= 89 else t.view(torch.uint8)
+    try:
+        for m in (1, 32, 64, 512):
+            x = torch.zeros(m, 4096, dtype=torch.bfloat16)
+            out += record(fp8_gemm, ["_fp8_gemm_kernel"], fp8_gemm.fp8_gemm, x, w, s, (128, 128))
+    finally:
+        fp8_gemm._fp8_operand = real
+    return out
+
+
 def launches(arch: int) -> list:
     """Every distinct launch; below sm_89 the FP8 cache goes in as uint8 bits."""
     real = attn_common.fp8_native
@@ -168,7 +183,7 @@ def launches(arch: int) -> list:
         out = attention_launches(FP8) + attention_launches(torch.bfloat16)
     finally:
         attn_common.fp8_native = real
-    return out + gemm_launches()
+    return out + gemm_launches() + fp8_gemm_launches(arch)
 
 
 def main(archs: list[int]) -> None:

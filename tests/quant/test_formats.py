@@ -77,7 +77,7 @@ def test_awq_gemm_layout_matches_dequantized_twin(llama_path, tmp_path):
     torch.testing.assert_close(ours, hf_logits(twin, IDS), atol=ATOL, rtol=1e-4)
 
 
-def test_fp8_block_scaled_runs_dequantized_and_converts_to_int4(llama_path, tmp_path):
+def test_fp8_block_scaled_matches_twin_and_converts_to_int4(llama_path, tmp_path):
     path, twin = make_fp8_block(llama_path, str(tmp_path / "q"), str(tmp_path / "t"))
     ref = hf_logits(twin, IDS)
     llm, ours = score(path)
