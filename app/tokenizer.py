@@ -72,8 +72,13 @@ class Tokenizer:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
+        """tools: OpenAI tool definitions, given to templates that render them (as
+        transformers does); a template without tool support ignores them."""
         if not self.chat_template:
             # No template shipped: a plain "role: content" transcript.
             lines = [f"{m['role']}: {m['content']}" for m in messages]
@@ -88,11 +93,14 @@ class Tokenizer:
         return self._template.render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
+            tools=tools,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
         )
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    def encode_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
         """The conversation's token ids; only the template's own markers become specials.
 
         A message that types "<|system|>" or "<|end|>" gets those characters as text, not
@@ -102,24 +110,28 @@ class Tokenizer:
         contents = [m.get("content") for m in messages]
         if not any(isinstance(c, str) and self._has_control(c) for c in contents):
             # The template already carries BOS where the model wants it.
-            return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
-        return self._encode_chat_literal(messages)
+            return self.encode(
+                self.apply_chat_template(messages, tools=tools), add_special_tokens=False
+            )
+        return self._encode_chat_literal(messages, tools)
 
     def _has_control(self, text: str) -> bool:
         return any(s in text for s in self.control_strings)
 
-    def _encode_chat_literal(self, messages: list[dict[str, Any]]) -> list[int]:
+    def _encode_chat_literal(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
         """Render with a marker per content, then encode template text with special-token
         parsing on and each content with it off."""
         marked = [
             {**m, "content": _MARK.format(i)} if isinstance(m.get("content"), str) else m
             for i, m in enumerate(messages)
         ]
-        pieces = _MARK_RE.split(self.apply_chat_template(marked))
+        pieces = _MARK_RE.split(self.apply_chat_template(marked, tools=tools))
         texts = [m.get("content") for m in messages]
         # split() alternates: template text, content index, template text, ...
         rendered = "".join(p if k % 2 == 0 else texts[int(p)] for k, p in enumerate(pieces))
-        if rendered != self.apply_chat_template(messages):
+        if rendered != self.apply_chat_template(messages, tools=tools):
             raise ChatTemplateError(
                 "message content holds special-token text and the chat template rewrites "
                 "content, so it cannot be kept as plain text"

@@ -38,6 +38,7 @@ class DecodeServer(EngineReplica):
                 ),
                 cache_salt=gen.cache_salt,
                 kv_import=fetched.chunks or None,
+                prior_output_ids=list(first.new_token_ids),  # a grammar replays them
             )
             deltas = host.async_engine.generate(request)
             # timed: inter-token latency on this replica (the first token came from prefill)

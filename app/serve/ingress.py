@@ -94,13 +94,13 @@ class Ingress(GrpcIngress):  # gRPC adapter: app/serve/grpc_servicer.py
                 first = await stream.first()  # errors before any byte is sent are HTTP errors
                 gen = sse_chunks(
                     stream, first, req.kind, req.request_id, self.model_name, self.tokenizer,
-                    req.include_usage,
+                    req.include_usage, req.tools,
                 )  # fmt: skip
                 return StreamingResponse(gen, media_type="text/event-stream")
             deltas = await stream.collect(timeout_s=self.args.request_timeout_s)
             out = final_body(
                 req.kind, req.request_id, self.model_name, len(req.prompt_token_ids), deltas,
-                self.tokenizer,
+                self.tokenizer, req.tools,
             )  # fmt: skip
             if self.args.allow_routing_hints:  # operator/test view of where choices ran
                 out["slimserve"] = {"choices": self.driver.placements(req)}

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from app.engine.sampling_params import SamplingParams
+from app.engine.structured.tools import ToolChoice
 from app.serve.config import ServeArgs
 from app.serve.messages import GenerateRequest, RoutingInfo, short_key
 from app.serve.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest
@@ -68,6 +69,7 @@ class NormalizedRequest:
     stream: bool = False
     include_usage: bool = False
     hints: dict[str, int] = field(default_factory=dict)  # role -> forced replica index
+    tools: ToolChoice | None = None  # chat: how tools shape the answer (tool_calls or text)
 
     def choice(self, index: int, info: EngineInfo, role: str) -> GenerateRequest:
         """The engine request for choice `index`; `role` picks the routing hint."""
@@ -135,6 +137,7 @@ class RequestNormalizer:
             stream=body.stream,
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
             hints=self.routing_hints(metadata),
+            tools=body.tool_mode() if chat else None,
         )
 
     def check_model(self, model: str) -> None:
@@ -193,7 +196,7 @@ class RequestNormalizer:
     def _tokens(self, body: Body) -> list[int]:
         if isinstance(body, ChatCompletionRequest):
             try:
-                return self.tokenizer.encode_chat(body.conversation())
+                return self.tokenizer.encode_chat(body.conversation(), body.template_tools())
             except ValueError as e:
                 raise APIError(
                     400, f"cannot apply the chat template: {e}", param="messages"

@@ -9,6 +9,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from app.engine.request import RequestDelta
 from app.engine.sampling_params import SamplingParams
+from app.engine.structured.tools import ToolChoice
+from app.serve.structured_request import StructuredFieldError, request_spec, tools_and_choice
 
 
 class APIError(Exception):
@@ -68,9 +70,19 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool = False
     user: str | None = None
     cache_salt: Any = None  # rejected: the operator sets it (see Ingress)
+    # Structured outputs (app/serve/structured_request.py): OpenAI's and vLLM's forms.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+
+    def structured_spec(self):
+        return request_spec(self.response_format, self.structured_outputs)
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        try:
+            structured = self.structured_spec()
+        except StructuredFieldError as e:
+            raise APIError(400, str(e), param=e.param) from None
         try:
             return SamplingParams(
                 n=self.n,
@@ -87,6 +99,7 @@ class _SamplingFields(BaseModel):
                 stop_token_ids=list(self.stop_token_ids or []),
                 ignore_eos=self.ignore_eos,
                 logprobs=logprobs,
+                structured=structured,
             )
         except ValueError as e:
             raise APIError(400, str(e)) from None
@@ -114,6 +127,8 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn answers this call
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -131,16 +146,43 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # False: "required" makes exactly one call
 
     def to_params(self) -> SamplingParams:
         k = (self.top_logprobs or 0) if self.logprobs else None
         return self.sampling_params(self.max_completion_tokens or self.max_tokens, k)
 
-    def conversation(self) -> list[dict[str, str]]:
+    def structured_spec(self):
+        tools, choice = tools_and_choice(self.tools, self.tool_choice, self.parallel_tool_calls)
+        return request_spec(self.response_format, self.structured_outputs, tools, choice)
+
+    def tool_mode(self) -> ToolChoice:
+        """How tools constrain this request."""
         try:
-            return [{"role": m.role, "content": m.text()} for m in self.messages]
+            return tools_and_choice(self.tools, self.tool_choice, self.parallel_tool_calls)[1]
+        except StructuredFieldError as e:
+            raise APIError(400, str(e), param=e.param) from None
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools the chat template renders (none when tool_choice is "none")."""
+        return self.tools if self.tools and self.tool_mode().mode != "none" else None
+
+    def conversation(self) -> list[dict[str, Any]]:
+        try:
+            return [_turn(m) for m in self.messages]
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
+
+
+def _turn(m: ChatMessage) -> dict[str, Any]:
+    turn: dict[str, Any] = {"role": m.role, "content": m.text()}
+    if m.tool_calls is not None:
+        turn["tool_calls"] = m.tool_calls
+    if m.tool_call_id is not None:
+        turn["tool_call_id"] = m.tool_call_id
+    return turn
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from ray.serve.exceptions import BackPressureError
 
 from app.engine.detokenizer import IncrementalDetokenizer
 from app.engine.request import OverloadedError, RequestDelta
+from app.engine.structured.tools import ToolChoice
 from app.serve.openai_protocol import (
     APIError,
     chat_logprobs,
@@ -20,6 +21,7 @@ from app.serve.openai_protocol import (
     envelope,
     usage,
 )
+from app.serve.tool_calls import ToolCallStream, chat_message
 
 _END = object()
 DONE_REASONS = ("stop", "length", "abort")  # a prefill's first delta has none: decode follows
@@ -122,7 +124,15 @@ class ChoiceStream:
                 task.cancel()
 
 
-def final_body(kind, rid, model, num_prompt, per_choice: list[list[RequestDelta]], tokenizer):
+def final_body(
+    kind,
+    rid,
+    model,
+    num_prompt,
+    per_choice: list[list[RequestDelta]],
+    tokenizer,
+    tools: ToolChoice | None = None,
+):
     choices, completion_tokens, cached = [], 0, 0
     for i, deltas in enumerate(per_choice):
         text = "".join(d.text_delta for d in deltas)
@@ -130,7 +140,7 @@ def final_body(kind, rid, model, num_prompt, per_choice: list[list[RequestDelta]
         cached = max([cached] + [d.num_cached_tokens for d in deltas[:1]])
         reason = next((d.finish_reason for d in reversed(deltas) if d.finished), None)
         if kind == "chat.completion":
-            message = {"role": "assistant", "content": text}
+            message, reason = chat_message(text, reason, tools)
             lps = chat_logprobs(deltas, tokenizer)
             choices.append(
                 {"index": i, "message": message, "logprobs": lps, "finish_reason": reason}
@@ -149,8 +159,10 @@ async def sse_chunks(
     model: str,
     tokenizer,
     include_usage: bool,
+    tools: ToolChoice | None = None,
 ) -> AsyncIterator[bytes]:
     chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
+    calls = ToolCallStream(tools) if tools is not None and tools.constrained else None
     started: set[int] = set()
     num_prompt, completion_tokens, cached = 0, 0, 0
     delta = first
@@ -160,7 +172,7 @@ async def sse_chunks(
             completion_tokens += len(delta.new_token_ids)
             if delta.index not in started:
                 cached = max(cached, delta.num_cached_tokens)
-            choice = _stream_choice(kind, delta, delta.index not in started, tokenizer)
+            choice = _stream_choice(kind, delta, delta.index not in started, tokenizer, calls)
             started.add(delta.index)
             yield _sse(envelope(chunk_kind, rid, model, [choice]))
             delta = await stream.next()
@@ -177,10 +189,14 @@ async def sse_chunks(
     yield b"data: [DONE]\n\n"
 
 
-def _stream_choice(kind: str, delta: RequestDelta, first: bool, tokenizer) -> dict[str, Any]:
+def _stream_choice(
+    kind: str, delta: RequestDelta, first: bool, tokenizer, calls: ToolCallStream | None = None
+) -> dict[str, Any]:
     reason = delta.finish_reason if delta.finished else None
     if kind == "chat.completion":
         content: dict[str, Any] = {"content": delta.text_delta}
+        if calls is not None:  # a constrained tool call: tool_calls deltas, not content
+            content, reason = calls.delta(delta.index, delta.text_delta, reason)
         if first:
             content["role"] = "assistant"
         lps = chat_logprobs([delta], tokenizer)

@@ -144,3 +144,17 @@ def test_importable_without_xgrammar():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "ERR structured outputs need xgrammar" in out.stdout
+
+
+@pytest.mark.parametrize("string", [{"type": "string"}, {"type": "string", "maxLength": 8}])
+def test_json_strings_never_allow_raw_control_characters(compiler, tok, string):
+    """JSON forbids raw U+0000-U+001F in strings. Seen failing: xgrammar's rule for
+    length-bounded strings allowed them (a served output held a raw \\x08) until
+    spec._no_raw_control_chars rewrote it."""
+    spec = StructuredOutputSpec.json_schema({"type": "object", "properties": {"s": string}})
+    g = SequenceGrammar(spec, compiler.submit(spec))
+    for t in tok.encode('{"s": "a', add_special_tokens=False):
+        assert g.accept(t)
+    allowed = _allowed(g)
+    controls = [i for i in allowed if any(ord(c) < 0x20 for c in tok.decode([i]))]
+    assert not controls and len(allowed) > 1000

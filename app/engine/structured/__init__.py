@@ -7,6 +7,6 @@ specs and parses their output.
 """
 
 from app.engine.structured.backend import StructuredOutputError
-from app.engine.structured.spec import StructuredOutputSpec
+from app.engine.structured.spec import StructuredOutputSpec, check_spec
 
-__all__ = ["StructuredOutputError", "StructuredOutputSpec"]
+__all__ = ["StructuredOutputError", "StructuredOutputSpec", "check_spec"]

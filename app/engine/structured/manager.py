@@ -10,18 +10,16 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-from collections import OrderedDict
 
 import torch
 
 from app.engine.structured.compiler import GrammarCompiler
 from app.engine.structured.logits import mask_logits
 from app.engine.structured.matcher import SequenceGrammar
-from app.engine.structured.spec import StructuredOutputSpec
+from app.engine.structured.spec import StructuredOutputSpec, check_spec
 from app.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-_VALIDATED_KEYS = 1024
 
 
 class StructuredOutputs:
@@ -30,7 +28,6 @@ class StructuredOutputs:
         self.vocab_size = vocab_size
         self.stop_token_ids = stop_token_ids
         self._compiler: GrammarCompiler | None = None
-        self._validated: OrderedDict[tuple, None] = OrderedDict()
         self._compiling: list = []  # sequences whose grammar was not compiled when added
 
     @property
@@ -39,19 +36,10 @@ class StructuredOutputs:
             self._compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.stop_token_ids)
         return self._compiler
 
-    def validate(self, spec: StructuredOutputSpec) -> None:
-        """Raises StructuredOutputError for a bad spec (builds its grammar; cached by key)."""
-        if spec.key in self._validated:
-            self._validated.move_to_end(spec.key)
-            return
-        spec.build_grammar()
-        self._validated[spec.key] = None
-        if len(self._validated) > _VALIDATED_KEYS:
-            self._validated.popitem(last=False)
-
     def attach(self, seqs: list, spec: StructuredOutputSpec, replay: list[int]) -> None:
-        """Gives each sequence its own matcher over one shared compile."""
-        self.validate(spec)
+        """Gives each sequence its own matcher over one shared compile; a bad spec raises
+        StructuredOutputError (a ValueError) here, before anything is queued."""
+        check_spec(spec)
         future = self.compiler.submit(spec)
         for seq in seqs:
             seq.grammar = SequenceGrammar(spec, future, tuple(replay))

@@ -7,6 +7,7 @@ the same schema share one compilation.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -90,12 +91,13 @@ class StructuredOutputSpec:
         """
         xgr = xgrammar()
         try:
-            if self.kind == "json_object":
-                return xgr.Grammar.from_json_schema(
-                    '{"type": "object"}', any_whitespace=False, strict_mode=False
+            if self.kind in ("json_object", "json_schema"):
+                source = '{"type": "object"}' if self.kind == "json_object" else self.source
+                strict = self.kind == "json_schema"  # json_object: any properties
+                grammar = xgr.Grammar.from_json_schema(
+                    source, any_whitespace=False, strict_mode=strict
                 )
-            if self.kind == "json_schema":
-                return xgr.Grammar.from_json_schema(self.source, any_whitespace=False)
+                return _no_raw_control_chars(xgr, grammar)
             if self.kind == "regex":
                 return xgr.Grammar.from_regex(self.source)
             if self.kind == "grammar":
@@ -106,7 +108,28 @@ class StructuredOutputSpec:
             raise StructuredOutputError(f"invalid {self.kind}: {clean_message(e)}") from None
 
 
+# xgrammar 0.2.8 writes the characters of a length-bounded JSON string (minLength/maxLength)
+# as [^"\\\r\n], which lets raw control characters (e.g. \x08) into a string: invalid JSON.
+# The rule is rewritten to exclude U+0000-U+001F as JSON requires (tests/structured checks).
+_LENGTH_BOUNDED_CHAR = '[^\\"\\\\\\r\\n]'
+_JSON_STRING_CHAR = '[^\\0-\\x1f\\"\\\\]'
+
+
+def _no_raw_control_chars(xgr, grammar):
+    ebnf = str(grammar)
+    if _LENGTH_BOUNDED_CHAR not in ebnf:
+        return grammar
+    return xgr.Grammar.from_ebnf(ebnf.replace(_LENGTH_BOUNDED_CHAR, _JSON_STRING_CHAR))
+
+
 def _text(value: Any, name: str) -> str:
     if not isinstance(value, str):
         raise StructuredOutputError(f"{name} must be a string")
     return value
+
+
+@functools.lru_cache(maxsize=1024)
+def check_spec(spec: StructuredOutputSpec) -> None:
+    """Raises StructuredOutputError if spec's grammar cannot be built (cached when it can:
+    the ingress and every engine check each request, and schemas repeat)."""
+    spec.build_grammar()

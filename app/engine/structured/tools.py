@@ -37,6 +37,7 @@ class ToolCall:
 class ToolChoice:
     mode: str  # "none" | "auto" | "required" | "named"
     name: str | None = None  # the function, when mode == "named"
+    parallel: bool = True  # "required" may make several calls (OpenAI parallel_tool_calls)
 
     @property
     def constrained(self) -> bool:
@@ -67,7 +68,8 @@ def tool_choice_spec(tools: list[ToolFunction], choice: ToolChoice) -> Structure
         for t in tools
     ]
     items = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    return StructuredOutputSpec.json_schema({"type": "array", "minItems": 1, "items": items})
+    array = {"type": "array", "minItems": 1, "items": items}
+    return StructuredOutputSpec.json_schema(array if choice.parallel else {**array, "maxItems": 1})
 
 
 def _object_schema(tool: ToolFunction) -> dict[str, Any]:
@@ -116,16 +118,16 @@ def parse_tools(raw: list[dict[str, Any]]) -> list[ToolFunction]:
     return tools
 
 
-def parse_tool_choice(raw: Any, has_tools: bool) -> ToolChoice:
+def parse_tool_choice(raw: Any, has_tools: bool, parallel: bool = True) -> ToolChoice:
     """OpenAI's `tool_choice`; the default is "auto" with tools and "none" without."""
     if raw is None:
-        return ToolChoice("auto" if has_tools else "none")
+        return ToolChoice("auto" if has_tools else "none", parallel=parallel)
     if raw in ("none", "auto", "required"):
-        return ToolChoice(raw)
+        return ToolChoice(raw, parallel=parallel)
     if isinstance(raw, dict) and raw.get("type") == "function":
         name = (raw.get("function") or {}).get("name")
         if isinstance(name, str) and name:
-            return ToolChoice("named", name)
+            return ToolChoice("named", name, parallel)
     raise StructuredOutputError(
         'tool_choice must be "none", "auto", "required" or '
         '{"type": "function", "function": {"name": ...}}'
