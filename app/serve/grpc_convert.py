@@ -19,7 +19,9 @@ from ray.serve.exceptions import (
 )
 
 from app.engine.request import RequestDelta, TokenLogprob
+from app.engine.structured.tools import ToolChoice
 from app.serve.grpc_gen.slimserve.v1 import generation_pb2 as pb
+from app.serve.grpc_structured import StreamToolCalls, choice_tool_calls, structured_fields
 from app.serve.openai_protocol import (
     APIError,
     ChatCompletionRequest,
@@ -32,6 +34,7 @@ _FINISH = {
     "stop": pb.FINISH_REASON_STOP,
     "length": pb.FINISH_REASON_LENGTH,
     "abort": pb.FINISH_REASON_ABORT,
+    "tool_calls": pb.FINISH_REASON_TOOL_CALLS,
 }
 _CODES = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
@@ -85,6 +88,7 @@ def http_body(req: pb.GenerateRequest, model: str) -> CompletionRequest | ChatCo
     if kind is None:
         raise APIError(400, "input: set exactly one of text, chat or token_ids", param="input")
     fields: dict[str, Any] = {"model": req.model or model, **_sampling_fields(req)}
+    fields |= structured_fields(req, chat=kind == "chat")  # app/serve/grpc_structured.py
     logprobs = req.sampling.logprobs if req.sampling.HasField("logprobs") else None
     if kind == "chat":
         fields["messages"] = [{"role": m.role, "content": m.content} for m in req.chat.messages]
@@ -193,8 +197,10 @@ class UsageCounter:
         )
 
 
-def stream_message(delta: RequestDelta, rid: str) -> pb.GenerateResponse:
-    return pb.GenerateResponse(
+def stream_message(
+    delta: RequestDelta, rid: str, calls: StreamToolCalls | None = None
+) -> pb.GenerateResponse:
+    message = pb.GenerateResponse(
         request_id=rid,
         index=delta.index,
         token_ids=delta.new_token_ids,
@@ -202,23 +208,40 @@ def stream_message(delta: RequestDelta, rid: str) -> pb.GenerateResponse:
         logprobs=logprobs_pb(delta.logprobs),
         finish_reason=finish_reason(delta),
     )
+    if calls is not None:  # tool_choice REQUIRED or named: tool-call deltas beside the text
+        reason = delta.finish_reason if delta.finished else None
+        tool_calls, reason = calls.delta(delta.index, delta.text_delta, reason)
+        message.tool_calls.extend(tool_calls)
+        message.finish_reason = _FINISH.get(reason or "", 0)
+    return message
 
 
 def complete_message(
-    rid: str, model: str, per_choice: list[list[RequestDelta]], counter: UsageCounter
+    rid: str,
+    model: str,
+    per_choice: list[list[RequestDelta]],
+    counter: UsageCounter,
+    tools: ToolChoice | None = None,
 ) -> pb.CompleteResponse:
     choices = []
     for index, deltas in enumerate(per_choice):
         for d in deltas:
             counter.add(d)
         last = next((d for d in reversed(deltas) if d.finished), None)
+        text = "".join(d.text_delta for d in deltas)
+        reason = finish_reason(last) if last else 0
+        calls: list[pb.ToolCall] = []
+        if tools is not None and tools.constrained and last is not None:
+            calls, why = choice_tool_calls(text, last.finish_reason, tools)
+            reason = _FINISH.get(why or "", 0)
         choices.append(
             pb.Choice(
                 index=index,
-                text="".join(d.text_delta for d in deltas),
+                text=text,
                 token_ids=[t for d in deltas for t in d.new_token_ids],
                 logprobs=logprobs_pb([lp for d in deltas for lp in d.logprobs or []]),
-                finish_reason=finish_reason(last) if last else 0,
+                finish_reason=reason,
+                tool_calls=calls,
             )
         )
     return pb.CompleteResponse(request_id=rid, model=model, choices=choices, usage=counter.usage())

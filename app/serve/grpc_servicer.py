@@ -25,6 +25,7 @@ import grpc
 from ray import serve
 from ray.serve.grpc_util import RayServegRPCContext
 
+from app.engine.structured.tools import ToolChoice
 from app.serve.config import ServeArgs
 from app.serve.driver import RequestDriver
 from app.serve.grpc_convert import (
@@ -41,6 +42,7 @@ from app.serve.grpc_convert import (
 from app.serve.grpc_gen.grpc.health.v1 import health_pb2
 from app.serve.grpc_gen.slimserve.v1 import generation_pb2 as pb
 from app.serve.grpc_registration import add_slimserve_grpc_servicers
+from app.serve.grpc_structured import StreamToolCalls
 from app.serve.normalize import RequestNormalizer
 from app.serve.openai_protocol import APIError
 from app.serve.responses import ChoiceStream
@@ -76,10 +78,11 @@ class GrpcIngress:
     ) -> AsyncIterator[pb.GenerateResponse]:
         stream: ChoiceStream | None = None
         try:
-            rid, stream, counter = await self._grpc_start(request, grpc_context)
+            rid, stream, counter, tools = await self._grpc_start(request, grpc_context)
+            calls = StreamToolCalls(tools) if tools is not None and tools.constrained else None
             end = time.monotonic() + self.args.request_timeout_s
             while (delta := await _next(stream, end)) is not None:
-                message = stream_message(delta, rid)
+                message = stream_message(delta, rid, calls)
                 if counter.add(delta):
                     message.usage.CopyFrom(counter.usage())
                 yield message
@@ -95,9 +98,9 @@ class GrpcIngress:
         self, request: pb.GenerateRequest, grpc_context: RayServegRPCContext
     ) -> pb.CompleteResponse:
         try:
-            rid, stream, counter = await self._grpc_start(request, grpc_context)
+            rid, stream, counter, tools = await self._grpc_start(request, grpc_context)
             per_choice = await stream.collect(timeout_s=self.args.request_timeout_s)
-            return complete_message(rid, self.model_name, per_choice, counter)
+            return complete_message(rid, self.model_name, per_choice, counter, tools)
         except Exception as e:  # noqa: BLE001
             return self._grpc_unary_fail(grpc_context, e, pb.CompleteResponse())
 
@@ -196,7 +199,7 @@ class GrpcIngress:
     # --- shared -------------------------------------------------------------------------
     async def _grpc_start(
         self, request: pb.GenerateRequest, ctx: RayServegRPCContext
-    ) -> tuple[str, ChoiceStream, UsageCounter]:
+    ) -> tuple[str, ChoiceStream, UsageCounter, ToolChoice | None]:
         """Validate and start one request's choices (the shared path of both APIs)."""
         request = parsed(request)
         metadata = dict(ctx.invocation_metadata())
@@ -206,7 +209,7 @@ class GrpcIngress:
         rid = request_id(request, "grpc-" + uuid.uuid4().hex)
         req = await self.normalizer.normalize(body, metadata, request_id=rid, require_key=require)
         stream = await self.driver.start(req)
-        return rid, stream, UsageCounter(len(req.prompt_token_ids), req.params.n)
+        return rid, stream, UsageCounter(len(req.prompt_token_ids), req.params.n), req.tools
 
     def _grpc_tenant(self, ctx: RayServegRPCContext) -> str | None:
         """The caller's cache salt; UNAUTHENTICATED when a key is required and not known."""
