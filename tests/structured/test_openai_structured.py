@@ -2,8 +2,9 @@
 local Serve app on the default model, colocated and disaggregated.
 
 Validity is checked independently (json + jsonschema, re.fullmatch); the default model is
-random-ish, so only the grammar makes its outputs valid (seen failing: with the engine's
-mask a no-op the first schema test fails on its first choice).
+random-ish, so only the grammar makes its outputs valid: test_unconstrained_output_is_not_json
+in test_engine_structured.py is the control, and making the engine's mask a no-op fails the
+engine-level validity tests (seen there; this file drives the same engine path).
 """
 
 import json
