@@ -57,13 +57,17 @@ def ray_session():
     )
     started = not ray.is_initialized()
     if started:
-        ray.init(
-            num_cpus=4,
-            include_dashboard=False,
-            object_store_memory=512 << 20,
-            log_to_driver=False,
-            runtime_env={"env_vars": {"TRITON_INTERPRET": "1", "PYTHONPATH": path}},
-        )
+        try:
+            ray.init(
+                num_cpus=4,
+                include_dashboard=False,
+                object_store_memory=512 << 20,
+                log_to_driver=False,
+                runtime_env={"env_vars": {"TRITON_INTERPRET": "1", "PYTHONPATH": path}},
+            )
+        except BaseException:  # a start that timed out leaves GCS & co. running: stop them
+            ray.shutdown()
+            raise
     yield ray
     try:
         from ray import serve

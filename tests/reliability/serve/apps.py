@@ -28,10 +28,10 @@ def prompts(n: int, length: int = 40, seed: int = 0) -> list[list[int]]:
 
 
 def offline_texts(model: str, batch: list[list[int]], max_tokens: int) -> list[str]:
-    """What an undisturbed run answers: the offline LLM, greedy, same FP8 KV."""
+    """What an undisturbed run answers: the offline LLM, greedy, same FP8 KV, one batch."""
     llm = LLM(model, dtype="float32", device="cpu", kv_cache_dtype="fp8_e4m3")
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    return [llm.generate([p], params)[0].text for p in batch]
+    return [out.text for out in llm.generate(batch, params)]
 
 
 @contextlib.contextmanager
@@ -44,6 +44,7 @@ def served_app(ray_session, model: str, name: str, deployments: tuple[str, ...],
             "url": url,
             "md": md,
             "args": cfg,
+            "channel": channel,
             "stub": generation_pb2_grpc.GenerationStub(channel),
         }
         app |= {d: serve.get_deployment_handle(d, name) for d in deployments}

@@ -124,6 +124,7 @@ def recovered(app, fault_load, n: int = 4):
     assert tally(outs, wants[:n] * 2) == {"correct": 2 * n}, [o.error for o in outs]
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("deployment", ["DecodeServer", "PrefillServer"])
 def test_replica_killed_mid_stream(app, fault_load, deployment):
     """Every stream ends with the undisturbed text or a clean retriable error; Serve
