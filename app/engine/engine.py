@@ -18,7 +18,7 @@ from app.engine.kv_transfer import export_chunks, import_chunks
 from app.engine.model_runner import ModelRunner
 from app.engine.outputs import OutputProcessor
 from app.engine.request import Request, RequestDelta
-from app.engine.sampler import sample_batch
+from app.engine.sampler import SamplingBatch, sample
 from app.engine.sampling_params import SamplingParams
 from app.engine.scheduler import Scheduler
 from app.engine.sequence import SeqStatus, Sequence
@@ -228,7 +228,9 @@ class Engine:
             return []
         if self.speculator is not None:
             return self.speculator.verify(logits, sampled)
-        return [[sample] for sample in sample_batch(logits, sampled)]
+        batch = SamplingBatch.from_seqs(sampled, logits.shape[-1], logits.device)
+        result = sample(logits, batch)
+        return [[pair] for pair in zip(result.token_ids, result.logprobs)]
 
     def _emit(self, seq: Sequence, emitted: list) -> RequestDelta | None:
         """Appends the tokens until one finishes the sequence; one delta for all of them.

@@ -1,56 +1,136 @@
-"""Sampling: pure functions from logits and per-sequence parameters to next tokens."""
+"""The batched sampler: [B, V] logits -> B tokens in tensor ops, one host sync per step.
+
+Public API (the engine, structured output and speculative decoding use these):
+
+- `SamplingBatch.from_seqs(seqs, device)` (or `SamplingBatch.build(...)` from lists): the rows'
+  parameters as [B] tensors, built once per step. Row r samples the token at position
+  `positions[r]` of a sequence whose seed is `seeds[r]`.
+- `sample(logits, batch, allowed_mask=None) -> SampleResult`: `tokens` [B] int64 on the
+  logits' device, `token_ids` (the same, as a list: the step's one host sync) and per-row
+  `logprobs` (TokenLogprob or None). `allowed_mask` [B, V] bool (a grammar's token bitmask,
+  True = allowed) is applied after the penalties and before greedy or sampled choice; a row
+  that allows nothing is sampled unmasked (the caller must not send one).
+- `filtered_probs(logits, batch, allowed_mask=None) -> [B, V]` float32: the distribution each
+  row samples from (penalties, mask, temperature, top-k/top-p/min-p, renormalized; a greedy
+  row is one-hot on its argmax). For speculative rejection sampling.
+- `app.engine.sampling.noise`: `row_keys(seeds, positions, stream)`, `uniform(keys, ids)`,
+  `gumbel(keys, ids)`: the position-keyed noise. A sampled row's token is
+  `argmax over kept ids of log p(id) + gumbel(row_keys(seed, position), id)`, so a verifier
+  that recomputes it at the same (seed, position) with the same distribution gets the same
+  token; use another `stream` for independent draws (acceptance tests).
+
+Order of operations per row: penalties (repetition over prompt+output, presence/frequency over
+output) -> allowed mask -> greedy argmax if temperature < GREEDY_EPS -> logits / T ->
+top-k -> top-p (over the top-k-renormalized distribution) -> min-p -> Gumbel-max with
+noise keyed by (seed, position, token id). Log-space throughout; clamped penalties and the
+greedy epsilon mean no NaN from tiny temperatures, top_p or penalties (issue 13).
+Logprobs are those of the raw model logits (before penalties and temperature), as OpenAI's.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from app.engine.request import TokenLogprob
-from app.engine.sampling_params import SamplingParams
+from app.engine.sampling.batch import GREEDY_EPS, SamplingBatch
+from app.engine.sampling.filters import CPU_CANDIDATES, RowFilters, candidates, covered, keep_mask
+from app.engine.sampling.noise import gumbel, row_keys
+from app.engine.sampling.penalties import apply_penalties
+
+__all__ = ["GREEDY_EPS", "SampleResult", "SamplingBatch", "filtered_probs", "sample"]
 
 
-def apply_penalties(logits: torch.Tensor, p: SamplingParams, prompt, output) -> torch.Tensor:
-    """logits: [V]. Repetition over prompt+output (as HF), presence/frequency over output."""
-    if p.repetition_penalty != 1.0 and (prompt or output):
-        seen = torch.tensor(list(set(prompt) | set(output)), dtype=torch.long)
-        vals = logits[seen]
-        logits[seen] = torch.where(
-            vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
-        )
-    if output and (p.presence_penalty or p.frequency_penalty):
-        ids, counts = torch.tensor(output, dtype=torch.long).unique(return_counts=True)
-        logits[ids] -= p.presence_penalty + p.frequency_penalty * counts.to(logits.dtype)
-    return logits
+@dataclass(slots=True)
+class SampleResult:
+    tokens: torch.Tensor  # [B] int64, on the logits' device
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
 
 
-def filter_probs(probs: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """probs: [V] -> renormalized after top-k, top-p and min-p."""
-    if p.top_k > 0 and p.top_k < probs.shape[-1]:
-        kth = probs.topk(p.top_k).values[-1]
-        probs = torch.where(probs < kth, 0.0, probs)
-    if p.top_p < 1.0:
-        sorted_p, order = probs.sort(descending=True)
-        before = sorted_p.cumsum(-1) - sorted_p  # mass strictly above each token
-        sorted_p = torch.where(before >= p.top_p, 0.0, sorted_p)
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
-    if p.min_p > 0:
-        probs = torch.where(probs < p.min_p * probs.max(), 0.0, probs)
-    return probs / probs.sum()
+def sample(
+    logits: torch.Tensor, batch: SamplingBatch, allowed_mask: torch.Tensor | None = None
+) -> SampleResult:
+    """logits: [B, V] (not modified) -> one token per row."""
+    x = _processed(logits, batch, allowed_mask)  # [B, V] float32
+    tokens = x.argmax(-1)  # [B]: the greedy rows' answer
+    if not batch.all_greedy:
+        _sample_rows(x, batch, tokens)
+    return _finish(logits, tokens, batch)
 
 
-def sample_one(
-    logits: torch.Tensor, p: SamplingParams, prompt, output, generator: torch.Generator
-) -> int:
-    """logits: [V] float32 (modified in place) -> one token id."""
-    if p.has_penalties:
-        apply_penalties(logits, p, prompt, output)
-    if p.greedy:
-        return int(logits.argmax())
-    probs = filter_probs((logits / p.temperature).softmax(-1), p)
-    return int(torch.multinomial(probs, 1, generator=generator))
+def filtered_probs(
+    logits: torch.Tensor, batch: SamplingBatch, allowed_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """logits: [B, V] -> [B, V] float32: what each row's sample() draws from."""
+    x = _processed(logits, batch, allowed_mask)
+    probs = torch.zeros_like(x).scatter_(-1, x.argmax(-1, keepdim=True), 1.0)  # greedy rows
+    if batch.all_greedy:
+        return probs
+    rows = batch.sampled_rows
+    logp = _scaled_logp(x[rows], batch, rows)
+    v, ids = candidates(logp, logp.shape[-1])
+    keep = keep_mask(v, _filters(batch, rows))
+    kept = torch.where(keep, v, float("-inf")).softmax(-1)
+    probs[rows] = torch.zeros_like(kept).scatter_(-1, ids, kept)
+    return probs
+
+
+def _processed(logits, batch, allowed_mask) -> torch.Tensor:
+    x = logits.to(torch.float32, copy=True)
+    apply_penalties(x, batch)
+    if allowed_mask is not None:
+        allowed = allowed_mask | ~allowed_mask.any(-1, keepdim=True)  # empty row: unmasked
+        x.masked_fill_(~allowed, float("-inf"))
+    return x
+
+
+def _filters(batch: SamplingBatch, rows: torch.Tensor) -> RowFilters:
+    return RowFilters(batch.top_k[rows], batch.top_p[rows], batch.min_p[rows])
+
+
+def _scaled_logp(x: torch.Tensor, batch: SamplingBatch, rows: torch.Tensor) -> torch.Tensor:
+    """x: [R, V] -> log-softmax(x / T) (in place)."""
+    x /= batch.temperature[rows, None]
+    return x.log_softmax(-1)
+
+
+def _sample_rows(x: torch.Tensor, batch: SamplingBatch, tokens: torch.Tensor) -> None:
+    """x: [B, V] processed logits -> writes the non-greedy rows' tokens into tokens [B]."""
+    vocab = x.shape[-1]
+    rows = batch.plain_rows  # Gumbel-max over the whole vocabulary: no softmax needed
+    if len(rows):
+        scaled = x[rows] / batch.temperature[rows, None]  # [Rp, V]
+        ids = torch.arange(vocab, device=x.device).expand_as(scaled)
+        keys = row_keys(batch.seeds[rows], batch.positions[rows])
+        tokens[rows] = (scaled + gumbel(keys, ids)).argmax(-1)
+    rows = batch.filter_rows
+    if not len(rows):
+        return
+    keys = row_keys(batch.seeds[rows], batch.positions[rows])  # [Rf]
+    logp = _scaled_logp(x[rows], batch, rows)  # [Rf, V]
+    f = _filters(batch, rows)
+    k = vocab if x.device.type == "cuda" else min(vocab, CPU_CANDIDATES)
+    v, ids = candidates(logp, k)
+    picked = _gumbel_max(v, ids, keep_mask(v, f), keys)  # [Rf]
+    if k < vocab:  # CPU: redo the rows whose kept set may reach past the candidates
+        redo = (~covered(v, f, vocab)).nonzero()[:, 0]
+        if len(redo):
+            fr = RowFilters(f.top_k[redo], f.top_p[redo], f.min_p[redo])
+            v, ids = candidates(logp[redo], vocab)
+            picked[redo] = _gumbel_max(v, ids, keep_mask(v, fr), keys[redo])
+    tokens[rows] = picked
+
+
+def _gumbel_max(v, ids, keep, keys) -> torch.Tensor:
+    """v, ids, keep: [R, K] -> [R] the kept id with the largest log p + G(seed, pos, id)."""
+    score = torch.where(keep, v + gumbel(keys, ids), float("-inf"))
+    return ids.gather(-1, score.argmax(-1, keepdim=True))[:, 0]
 
 
 def token_logprobs(logprobs: torch.Tensor, token: int, k: int) -> TokenLogprob:
-    """logprobs: [V] log-softmax of the raw logits."""
+    """logprobs: [V] log-softmax of one row's raw logits -> the token's entry + top k."""
     top = ()
     if k > 0:
         vals, ids = logprobs.topk(k)
@@ -58,24 +138,32 @@ def token_logprobs(logprobs: torch.Tensor, token: int, k: int) -> TokenLogprob:
     return TokenLogprob(token, float(logprobs[token]), top)
 
 
-def sample_batch(logits: torch.Tensor, seqs) -> list[tuple[int, TokenLogprob | None]]:
-    """logits: [S, V] float32 -> (token, logprob or None) per sequence."""
-    want_lp = [s.params.logprobs is not None for s in seqs]
-    raw_lp = logits.log_softmax(-1) if any(want_lp) else None
-    if all(s.params.greedy and not s.params.has_penalties for s in seqs):
-        tokens = logits.argmax(-1).tolist()
-    else:
-        tokens = [
-            sample_one(
-                logits[i].clone(),
-                s.params,
-                s.token_ids[: s.num_prompt_tokens],
-                s.output_token_ids,
-                s.generator,
-            )
-            for i, s in enumerate(seqs)
+def _finish(logits: torch.Tensor, tokens: torch.Tensor, batch: SamplingBatch) -> SampleResult:
+    """The step's one host sync: tokens and the requested logprobs in one transfer."""
+    lp_rows = [i for i, k in enumerate(batch.logprobs) if k is not None]
+    if not lp_rows:
+        return SampleResult(tokens, tokens.tolist(), [None] * batch.size)
+    kmax = max(batch.logprobs[i] for i in lp_rows)
+    rows = torch.tensor(lp_rows, device=logits.device)
+    raw = logits[rows].to(torch.float32).log_softmax(-1)  # [L, V]
+    chosen = raw.gather(-1, tokens[rows, None])  # [L, 1]
+    top_v, top_i = raw.topk(kmax, -1) if kmax else (chosen[:, :0], chosen[:, :0])
+    packed = torch.cat(
+        [
+            tokens.double(),
+            chosen.double().flatten(),
+            top_v.double().flatten(),
+            top_i.double().flatten(),
         ]
-    return [
-        (t, token_logprobs(raw_lp[i], t, s.params.logprobs) if want_lp[i] else None)
-        for i, (t, s) in enumerate(zip(tokens, seqs))
-    ]
+    ).tolist()
+    n, nl = batch.size, len(lp_rows)
+    token_ids = [int(t) for t in packed[:n]]
+    chosen_l = packed[n : n + nl]
+    vals = packed[n + nl : n + nl + nl * kmax]
+    ids = packed[n + nl + nl * kmax :]
+    out: list[TokenLogprob | None] = [None] * n
+    for j, i in enumerate(lp_rows):
+        k, base = batch.logprobs[i], j * kmax
+        top = tuple((int(ids[base + c]), vals[base + c]) for c in range(k))
+        out[i] = TokenLogprob(token_ids[i], chosen_l[j], top)
+    return SampleResult(tokens, token_ids, out)

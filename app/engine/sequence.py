@@ -5,10 +5,9 @@ from __future__ import annotations
 import enum
 import itertools
 
-import torch
-
 from app.engine.detokenizer import IncrementalDetokenizer
 from app.engine.request import Request, TokenLogprob
+from app.engine.sampling.batch import random_seed
 from app.engine.sampling_params import SamplingParams
 
 _ids = itertools.count()
@@ -39,7 +38,10 @@ class Sequence:
         self.status = SeqStatus.WAITING
         self.finish_reason: str | None = None
         self.detok = detok
-        self.generator = _generator(self.params.seed, index)
+        # Sampling noise is keyed by (seed, position): no generator state to carry between
+        # replicas. The i-th of n sequences uses seed + i, as the ingress does when it splits n.
+        seed = self.params.seed
+        self.seed = random_seed() if seed is None else seed + index
         self.pending_logprobs: list[TokenLogprob] = []
         self.wait_for: Sequence | None = None  # n > 1: siblings wait for the prompt's KV
         self.exported_chunks: list | None = None
@@ -84,12 +86,3 @@ class Sequence:
         self.block_keys = []
         self.spec_tokens = []
         self.status = SeqStatus.WAITING
-
-
-def _generator(seed: int | None, index: int) -> torch.Generator:
-    g = torch.Generator()
-    if seed is None:
-        g.seed()
-    else:
-        g.manual_seed(seed * 1000003 + index)
-    return g

@@ -5,7 +5,7 @@ import torch
 
 from app import LLM, SamplingParams
 from app.engine.detokenizer import IncrementalDetokenizer
-from app.engine.sampler import filter_probs
+from app.engine.sampler import SamplingBatch, filtered_probs
 
 PROMPT = [5, 17, 42, 99, 3, 250, 7]
 
@@ -33,16 +33,49 @@ def test_top_k_one_is_greedy(llm):
 
 
 def test_filters():
-    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
-    assert filter_probs(probs, SamplingParams(top_k=2)).tolist() == pytest.approx(
-        [0.625, 0.375, 0, 0]
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()[None]
+
+    def probs(p):
+        batch = SamplingBatch.build([p], [0], [0], [[]], [[]], vocab_size=4)
+        return filtered_probs(logits, batch)[0].tolist()
+
+    want = pytest.approx([0.625, 0.375, 0, 0])
+    assert probs(SamplingParams(top_k=2)) == want
+    assert probs(SamplingParams(top_p=0.7)) == want
+    assert probs(SamplingParams(min_p=0.5)) == want
+
+
+def test_unseeded_requests_differ_and_n_siblings_differ(llm):
+    p = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    a, b = llm.generate([PROMPT, PROMPT], p)
+    assert a.token_ids != b.token_ids
+    pair = llm.generate([PROMPT], SamplingParams(n=2, seed=5, max_tokens=12, ignore_eos=True))[0]
+    assert pair.outputs[0].token_ids != pair.outputs[1].token_ids
+    # sibling i uses seed + i, as the ingress does when it splits n into requests
+    single = llm.generate([PROMPT], SamplingParams(seed=6, max_tokens=12, ignore_eos=True))[0]
+    assert pair.outputs[1].token_ids == single.token_ids
+
+
+def test_penalties_see_every_earlier_output_token(llm):
+    """Engine tokens under repetition/presence/frequency penalties equal a step-by-step
+    reference that rescored the whole sequence and applied the old per-sequence penalties to
+    all outputs so far. Seen failing with the penalty outputs cut to the last 4 tokens."""
+    from sampler_reference import apply_penalties as ref_penalties
+
+    p = SamplingParams(
+        temperature=0,
+        max_tokens=16,
+        ignore_eos=True,
+        repetition_penalty=1.3,
+        presence_penalty=0.5,
+        frequency_penalty=0.7,
     )
-    assert filter_probs(probs, SamplingParams(top_p=0.7)).tolist() == pytest.approx(
-        [0.625, 0.375, 0, 0]
-    )
-    assert filter_probs(probs, SamplingParams(min_p=0.5)).tolist() == pytest.approx(
-        [0.625, 0.375, 0, 0]
-    )
+    got = llm.generate([PROMPT], p)[0].token_ids
+    out: list[int] = []
+    for _ in range(16):
+        logits = llm.engine.score(PROMPT + out)[-1]
+        out.append(int(ref_penalties(logits.clone(), p, PROMPT, out).argmax()))
+    assert got == out
 
 
 def test_presence_penalty_discourages_repeats(llm):

@@ -6,25 +6,27 @@ from __future__ import annotations
 
 import torch
 
-from app.engine.sampler import sample_one
+from app.engine.sampler import SamplingBatch, sample
 from app.engine.sequence import Sequence
 
 
 def target_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> list[list[int]]:
-    """logits: [R, V] float32, 1 + len(spec_tokens) rows per sequence -> tokens per row."""
+    """logits: [R, V] float32, 1 + len(spec_tokens) rows per sequence -> tokens per row.
+
+    Row j samples position num_tokens + j with the noise keyed by (seed, that position): the
+    token plain decoding would sample there (one batched call, one host sync)."""
     sizes = [1 + len(s.spec_tokens) for s in seqs]
-    if all(s.params.greedy and not s.params.has_penalties for s in seqs):
-        flat = logits.argmax(-1).tolist()  # one host sync for the batch
-    else:
-        flat, row = [], 0
-        for seq, size in zip(seqs, sizes):
-            prompt, output = seq.token_ids[: seq.num_prompt_tokens], seq.output_token_ids
-            for j in range(size):
-                history = output + seq.spec_tokens[:j]
-                flat.append(
-                    sample_one(logits[row + j].clone(), seq.params, prompt, history, seq.generator)
-                )
-            row += size
+    rows = [(seq, j) for seq, size in zip(seqs, sizes) for j in range(size)]
+    batch = SamplingBatch.build(
+        [seq.params for seq, _ in rows],
+        seeds=[seq.seed for seq, _ in rows],
+        positions=[seq.num_tokens + j for seq, j in rows],
+        prompts=[seq.token_ids[: seq.num_prompt_tokens] for seq, _ in rows],
+        outputs=[seq.output_token_ids + seq.spec_tokens[:j] for seq, j in rows],
+        vocab_size=logits.shape[-1],
+        device=logits.device,
+    )
+    flat = sample(logits, batch).token_ids
     out, start = [], 0
     for size in sizes:
         out.append(flat[start : start + size])
