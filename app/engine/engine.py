@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 
 import torch
 
@@ -23,7 +22,7 @@ from app.engine.sampling_params import SamplingParams
 from app.engine.scheduler import Scheduler
 from app.engine.sequence import SeqStatus, Sequence
 from app.engine.spec.deltas import merge_deltas
-from app.engine.spec.factory import extra_kv_layers, make_speculator, uses_mtp
+from app.engine.spec.factory import extra_block_bytes, make_speculator, uses_mtp
 from app.engine.structured.manager import StructuredOutputs
 from app.engine.tp_driver import min_over_ranks
 from app.models.loader import load_model
@@ -110,9 +109,8 @@ class Engine:
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free * cache.gpu_memory_utilization)
         budget = budget if budget is not None else cache.cpu_kv_cache_bytes
-        # Model proposers' KV layers (MTP) share the block ids, so a block costs both.
-        extra = extra_kv_layers(self.config.speculative_config)
-        return replace(self.kv_spec, num_layers=self.kv_spec.num_layers + extra).num_blocks(budget)
+        # A model proposer's KV (MTP layer, draft model) shares the block ids: a block costs both.
+        return budget // (self.kv_spec.bytes_per_block() + extra_block_bytes(self))
 
     @property
     def salt_base(self) -> tuple[str, str, str]:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import replace
 
-from app.config import SpeculativeConfig
-from app.engine.kv_cache import KVCache
+from app.config import ModelConfig, SpeculativeConfig
+from app.engine.kv_cache import KVCache, KVCacheSpec
 from app.engine.spec.speculator import Speculator
 
 
@@ -13,9 +15,24 @@ def uses_mtp(config: SpeculativeConfig | None) -> bool:
     return config is not None and config.method == "mtp"
 
 
-def extra_kv_layers(config: SpeculativeConfig | None) -> int:
-    """KV layers a proposer adds per block (MTP: its one layer)."""
-    return 1 if uses_mtp(config) else 0
+def extra_block_bytes(engine) -> int:
+    """Bytes a proposer's own KV adds to every block (its cache shares the block ids)."""
+    config = engine.config.speculative_config
+    if config is None or config.method == "ngram":
+        return 0
+    return _proposer_kv_spec(engine).bytes_per_block()
+
+
+def _proposer_kv_spec(engine) -> KVCacheSpec:
+    config = engine.config.speculative_config
+    if config.method == "mtp":  # one more layer shaped like the target's
+        return replace(engine.kv_spec, num_layers=1)
+    cfg = ModelConfig.from_path(config.model)  # draft model, unsharded
+    bs, dtype = engine.kv_spec.block_size, engine.kv_spec.dtype
+    if cfg.architecture == "DeepseekV3ForCausalLM":  # MLA: one plane of latent + rope key
+        width = cfg.raw["kv_lora_rank"] + cfg.raw["qk_rope_head_dim"]
+        return KVCacheSpec(cfg.num_hidden_layers, 1, width, bs, dtype, use_mla=True)
+    return KVCacheSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, bs, dtype)
 
 
 def make_speculator(engine, ops) -> Speculator:
@@ -25,7 +42,11 @@ def make_speculator(engine, ops) -> Speculator:
         return Speculator(config, engine.blocks, max_len)
     if config.method == "mtp":
         return Speculator(config, engine.blocks, max_len, _mtp_drafter(engine, ops))
-    raise ValueError(f"speculative method {config.method!r} is not available yet")
+    return Speculator(config, engine.blocks, max_len, _draft_model(engine, ops))
+
+
+def _proposer_cache(engine) -> KVCache:
+    return KVCache(_proposer_kv_spec(engine), engine.blocks.num_blocks, engine.device)
 
 
 def _mtp_drafter(engine, ops):
@@ -33,7 +54,44 @@ def _mtp_drafter(engine, ops):
 
     if engine.tp_group is not None:
         raise ValueError("mtp speculation with tensor_parallel_size > 1 is not supported yet")
-    spec = replace(engine.kv_spec, num_layers=1)
-    cache = KVCache(spec, engine.blocks.num_blocks, engine.device)
     engine.runner.keep_hidden = True
-    return MTPProposer(engine.model, cache, ops, engine.runner.scale, engine.blocks, engine.device)
+    return MTPProposer(
+        engine.model,
+        _proposer_cache(engine),
+        ops,
+        engine.runner.scale,
+        engine.blocks,
+        engine.device,
+    )
+
+
+def _draft_model(engine, ops):
+    from app.engine.model_runner import ModelRunner
+    from app.engine.spec.draft_model import DraftModelProposer
+    from app.models.loader import load_model
+
+    path = engine.config.speculative_config.model
+    model, cfg = load_model(path, engine.dtype, engine.device)
+    check_same_tokenizer(engine.config.model, engine.model_config, path, cfg)
+    runner = ModelRunner(model, _proposer_cache(engine), ops, cfg.head_dim, engine.device)
+    return DraftModelProposer(runner, engine.blocks)
+
+
+def check_same_tokenizer(target: str, target_cfg, draft: str, draft_cfg) -> None:
+    """A draft must speak the target's token ids: same vocabulary size and, where both
+    folders have a tokenizer.json, the same vocabulary."""
+    if draft_cfg.vocab_size != target_cfg.vocab_size:
+        raise ValueError(
+            f"draft model vocab_size {draft_cfg.vocab_size} != target's {target_cfg.vocab_size}"
+        )
+    vocabs = [_vocab(p) for p in (target, draft)]
+    if None not in vocabs and vocabs[0] != vocabs[1]:
+        raise ValueError("draft model's tokenizer differs from the target's")
+
+
+def _vocab(path: str) -> dict | None:
+    file = os.path.join(path, "tokenizer.json")
+    if not os.path.exists(file):
+        return None
+    with open(file) as f:
+        return json.load(f).get("model", {}).get("vocab")

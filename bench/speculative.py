@@ -1,0 +1,147 @@
+"""Speculative decoding (n-gram) on the default model: tokens per target forward and tok/s.
+
+Two workloads, each a batch of prompts cut from the held-out text, greedy:
+- repetitive: "repeat the passage": the passage, a blank line, then its first sentence
+  again, so the continuation is a copy of text in the prompt (edits, quotes, code);
+- plain: the beginning of a passage, continued freely.
+For k = 1..5 and with BF16/float32 or FP8 KV: output tokens per target forward (per
+sequence: tokens emitted / forwards the sequence took part in, the hardware-independent
+gain) and tokens per second (wall clock, this machine). Greedy output is checked to be
+identical to decoding without speculation in every configuration.
+
+    python bench/speculative.py [--model PATH] [--gen 128] [--prompts 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import default_model, write_json  # noqa: E402
+
+KV = {"native": "auto", "fp8": "fp8_e4m3"}
+
+
+def passages(count: int, chars: int = 700) -> list[str]:
+    from app.assets import default_heldout_path
+
+    with open(default_heldout_path()) as f:
+        text = f.read()
+    step = len(text) // (count + 1)
+    return [text[i * step : i * step + chars].split(". ", 1)[-1] for i in range(count)]
+
+
+def workloads(tokenizer, count: int) -> dict[str, list[list[int]]]:
+    texts = passages(count)
+    rep = [t + "\n\n" + t.split(". ")[0] for t in texts]
+    plain = [t[:300] for t in texts]
+    return {
+        "repetitive": [tokenizer.encode(p) for p in rep],
+        "plain": [tokenizer.encode(p) for p in plain],
+    }
+
+
+def run(llm, prompts, gen: int) -> tuple[list[list[int]], float, float]:
+    """-> (outputs, tokens per target forward per sequence, tokens per second)."""
+    from app import SamplingParams
+
+    runner = llm.engine.runner
+    forwards = 0
+    execute = runner.execute
+
+    def counting(batch, *a, **kw):
+        nonlocal forwards
+        forwards += len(batch)  # one forward pass of each scheduled sequence
+        return execute(batch, *a, **kw)
+
+    runner.execute = counting
+    params = SamplingParams(temperature=0, max_tokens=gen, ignore_eos=True)
+    try:
+        t = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        wall = time.perf_counter() - t
+    finally:
+        runner.execute = execute
+    tokens = sum(len(o.token_ids) for o in outs)
+    # the prefill forward of each prompt made its first token: count decode forwards only
+    per_forward = (tokens - len(prompts)) / max(1, forwards - len(prompts))
+    return [o.token_ids for o in outs], per_forward, tokens / wall
+
+
+def measure(model: str, gen: int, count: int, ks: list[int]) -> dict:
+    from app import LLM
+
+    rows = []
+    for kv_name, kv in KV.items():
+        engines = {0: LLM(model, kv_cache_dtype=kv)}
+        for k in ks:
+            spec = {"method": "ngram", "num_speculative_tokens": k}
+            engines[k] = LLM(model, kv_cache_dtype=kv, speculative_config=spec)
+        loads = workloads(engines[0].tokenizer, count)
+        for name, prompts in loads.items():
+            for llm in engines.values():  # warm-up (and the prefix cache) on every engine
+                llm.generate(prompts[:1], None)
+            want, base_tpf, base_tps = run(engines[0], prompts, gen)
+            for k, llm in engines.items():
+                got, tpf, tps = (want, base_tpf, base_tps) if k == 0 else run(llm, prompts, gen)
+                assert got == want, f"speculation changed greedy output ({name}, k={k}, {kv_name})"
+                rows.append(
+                    dict(kv=kv_name, workload=name, k=k, tokens_per_forward=tpf, tok_s=tps,
+                         speedup_per_forward=tpf / base_tpf, speedup_tok_s=tps / base_tps)
+                )  # fmt: skip
+                print(f"{kv_name:6} {name:10} k={k} tokens/forward {tpf:.2f} tok/s {tps:.0f}")
+    return {"model": model, "gen": gen, "prompts": count, "rows": rows}
+
+
+def plot(data: dict, out_dir: str) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, metric, label in (
+        (axes[0], "speedup_per_forward", "tokens per target forward (x plain decoding)"),
+        (axes[1], "speedup_tok_s", "tokens per second (x plain decoding)"),
+    ):
+        for kv in KV:
+            for load, style in (("repetitive", "-o"), ("plain", "--s")):
+                pts = [r for r in data["rows"] if r["kv"] == kv and r["workload"] == load]
+                ax.plot(
+                    [r["k"] for r in pts], [r[metric] for r in pts], style, label=f"{load}, {kv} KV"
+                )
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xlabel("num_speculative_tokens k (0 = off)")
+        ax.set_ylabel(label)
+        ax.legend(fontsize=8)
+    fig.suptitle("n-gram speculative decoding, default model, greedy")
+    fig.tight_layout()
+    path = os.path.join(out_dir, "speculative.png")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--gen", type=int, default=128)
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--ks", default="1,2,3,4,5")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    from bench.common import RESULTS
+
+    out = args.out or RESULTS
+    ks = [int(k) for k in args.ks.split(",")]
+    data = measure(args.model or default_model(), args.gen, args.prompts, ks)
+    print(write_json("speculative", data, out), plot(data, out))
+    return data
+
+
+if __name__ == "__main__":
+    main()
