@@ -10,6 +10,7 @@ from ray import serve
 from app.engine.request import Request, RequestDelta
 from app.serve.engine_replica import EngineReplica
 from app.serve.messages import GenerateRequest
+from app.serve.streaming import coalesce
 
 
 @serve.deployment(name="EngineServer")
@@ -26,7 +27,8 @@ class EngineServer(EngineReplica):
                 dataclasses.replace(req.params, n=1),
                 cache_salt=req.cache_salt,
             )
-            async for delta in host.async_engine.generate(request):
+            deltas = host.async_engine.generate(request)
+            async for delta in coalesce(deltas, self.args.stream_interval_s):
                 yield delta
         finally:
             host.inflight_tokens -= len(req.prompt_token_ids)

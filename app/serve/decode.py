@@ -11,6 +11,7 @@ from ray import serve
 from app.engine.request import Request, RequestDelta
 from app.serve.engine_replica import EngineReplica
 from app.serve.messages import DecodeRequest
+from app.serve.streaming import coalesce
 
 log = logging.getLogger(__name__)
 
@@ -42,9 +43,8 @@ class DecodeServer(EngineReplica):
             )
             deltas = host.async_engine.generate(request)
             # timed: inter-token latency on this replica (the first token came from prefill)
-            async for delta in host.metrics.timed(
-                deltas, len(prompt), count=False, after_first_token=True
-            ):
+            timed = host.metrics.timed(deltas, len(prompt), count=False, after_first_token=True)
+            async for delta in coalesce(timed, self.args.stream_interval_s):
                 yield dataclasses.replace(delta, num_prompt_tokens=len(prompt))
         finally:
             host.inflight_tokens -= len(prompt)

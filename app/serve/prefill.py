@@ -13,6 +13,7 @@ from app.kvstore.transfer import publish
 from app.serve.engine_replica import EngineReplica
 from app.serve.messages import GenerateRequest, PrefillResult
 from app.serve.replica import is_full
+from app.serve.streaming import merge
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ class PrefillServer(EngineReplica):
                 host.async_engine.generate(request), len(prompt), count=False
             )
             async for delta in deltas:  # timed: TTFT as this replica sees it
-                first = delta if first is None else _merge(first, delta)
+                first = delta if first is None else merge(first, delta)
             assert first is not None and first.finished, "prefill ended without a final delta"
             chunks = await self._publish(first.exported_chunks or [], reused)
             first = dataclasses.replace(first, exported_chunks=None)
@@ -73,14 +74,3 @@ class PrefillServer(EngineReplica):
                 break
             run.append(by_key[c.key or b""])
         return run
-
-
-def _merge(a: RequestDelta, b: RequestDelta) -> RequestDelta:
-    """Fold two deltas of one choice (the engine may close a choice with an empty delta)."""
-    return dataclasses.replace(
-        b,
-        new_token_ids=a.new_token_ids + b.new_token_ids,
-        text_delta=a.text_delta + b.text_delta,
-        logprobs=(a.logprobs or []) + (b.logprobs or []) or None,
-        exported_chunks=b.exported_chunks or a.exported_chunks,
-    )
