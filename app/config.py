@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-KV_DTYPES = ("auto", "bf16", "fp16", "fp32", "fp8_e4m3")
+from app.kv.dtypes import CONFIG_NAMES as KV_DTYPES
+
 _TORCH_DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,

@@ -136,7 +136,8 @@ def chunk_transfer(num_chunks: int) -> dict:
     import ray
     import torch
 
-    from app.kvstore.chunk import ChunkMeta, KVChunk, KVLayout
+    from app.kv.chunk import ChunkMeta, KVChunk
+    from app.kv.layout import KVLayout
     from app.kvstore.store import KVStoreClient, create_store
     from app.kvstore.transfer import ChunkExpectation, fetch_verified, publish
 

@@ -1,9 +1,10 @@
 """Paged KV block pool with a prefix cache (no tensors, no model).
 
-Blocks are reference-counted. A full block gets a chained key (block_hash.py) and stays
-findable after its last user frees it, until the pool needs the space (LRU). A prefix hit is
-accepted only if the cached block's token ids equal the prompt's, so a hash collision can
-never hand one prompt another prompt's KV.
+Blocks are reference-counted. A full block gets a chained hash (app/kv/keys.py) and stays
+findable by its xxh3 key after its last user frees it, until the pool needs the space (LRU).
+A prefix hit is accepted only if the cached block's BLAKE2b prefix digest equals the
+prompt's, which proves the salt and every token up to the block's end equal: a key
+collision, crafted or not, can never hand one prompt another prefix's KV.
 """
 
 from __future__ import annotations
@@ -11,16 +12,15 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
-from app.engine.block_hash import block_key
 from app.engine.sequence import Sequence
+from app.kv.keys import BlockHash, next_hash
 
 
 @dataclass(slots=True)
 class Block:
     block_id: int
     ref_count: int = 0
-    key: bytes | None = None
-    token_ids: tuple[int, ...] = ()
+    hash: BlockHash | None = None  # set while the block is findable in the prefix cache
 
 
 @dataclass(slots=True)
@@ -28,7 +28,7 @@ class PrefixCacheStats:
     queries: int = 0  # full blocks looked up
     hits: int = 0
     evictions: int = 0
-    collisions: int = 0  # key matched but token ids did not
+    collisions: int = 0  # key matched but the prefix digest did not
 
 
 class BlockManager:
@@ -64,27 +64,26 @@ class BlockManager:
         bs, tokens = self.block_size, seq.token_ids
         parent = None
         for start in range(0, len(tokens) - 1 - bs + 1, bs):
-            chunk = tokens[start : start + bs]
-            key = block_key(parent, chunk, seq.salt)
+            parent = next_hash(parent, tokens[start : start + bs], seq.salt)
             self.stats.queries += 1
-            block = self._lookup(key, chunk)
+            block = self.lookup(parent)
             if block is None:
                 break
             self.stats.hits += 1
             self._pin(block)
             seq.block_table.append(block.block_id)
-            seq.block_keys.append(key)
-            parent = key
+            seq.block_hashes.append(parent)
         covered = len(seq.block_table) * bs
         seq.num_computed_tokens = seq.num_cached_tokens = covered
         return covered
 
-    def _lookup(self, key: bytes, chunk) -> Block | None:
-        block_id = self.cached.get(key)
+    def lookup(self, h: BlockHash) -> Block | None:
+        """The cached block for h, only if its prefix digest equals h's (else a collision)."""
+        block_id = self.cached.get(h.key)
         if block_id is None:
             return None
         block = self.blocks[block_id]
-        if block.token_ids != tuple(chunk):
+        if block.hash.digest != h.digest:
             self.stats.collisions += 1
             return None
         return block
@@ -98,15 +97,32 @@ class BlockManager:
         """Gives every newly computed full block of seq a key and makes it findable."""
         bs = self.block_size
         n_full = seq.num_computed_tokens // bs
-        for i in range(len(seq.block_keys), n_full):
-            chunk = seq.token_ids[i * bs : (i + 1) * bs]
-            parent = seq.block_keys[-1] if seq.block_keys else None
-            key = block_key(parent, chunk, seq.salt)
-            seq.block_keys.append(key)
-            block = self.blocks[seq.block_table[i]]
-            if block.key is None and self.enable_prefix_caching and key not in self.cached:
-                block.key, block.token_ids = key, tuple(chunk)
-                self.cached[key] = block.block_id
+        for i in range(len(seq.block_hashes), n_full):
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            h = next_hash(parent, seq.token_ids[i * bs : (i + 1) * bs], seq.salt)
+            seq.block_hashes.append(h)
+            self._register(self.blocks[seq.block_table[i]], h)
+
+    def _register(self, block: Block, h: BlockHash) -> bool:
+        """Makes block findable under h unless caching is off or h's key is taken."""
+        if block.hash is not None or not self.enable_prefix_caching or h.key in self.cached:
+            return False
+        block.hash = h
+        self.cached[h.key] = block.block_id
+        return True
+
+    # --- import: KV computed elsewhere (app/engine/kv_transfer.py) -------------------
+    def is_cached(self, h: BlockHash) -> bool:
+        return not self.enable_prefix_caching or h.key in self.cached
+
+    def take_for_import(self, h: BlockHash) -> int | None:
+        """A fresh block registered under h, pinned until release(); None if the pool is
+        short. The caller writes the block's KV before anything else can look it up."""
+        if self.num_free == 0:
+            return None
+        block = self._take()
+        self._register(block, h)
+        return block.block_id
 
     # --- allocation ---------------------------------------------------------------
     def ensure_slots(self, seq: Sequence, num_tokens: int) -> bool:
@@ -119,20 +135,14 @@ class BlockManager:
         seq.block_table.extend(self._take().block_id for _ in range(need))
         return True
 
-    def allocate_blocks(self, n: int) -> list[int] | None:
-        """n fresh blocks with ref_count 1 (for imports); None if the pool is short."""
-        if n > self.num_free:
-            return None
-        return [self._take().block_id for _ in range(n)]
-
     def _take(self) -> Block:
         if self.free_plain:
             block = self.blocks[self.free_plain.popleft()]
         else:
             block_id, _ = self.free_cached.popitem(last=False)
             block = self.blocks[block_id]
-            del self.cached[block.key]
-            block.key, block.token_ids = None, ()
+            del self.cached[block.hash.key]
+            block.hash = None
             self.stats.evictions += 1
         block.ref_count = 1
         return block
@@ -148,7 +158,7 @@ class BlockManager:
             assert block.ref_count > 0, f"double free of block {block_id}"
             block.ref_count -= 1
             if block.ref_count == 0:
-                if block.key is not None:
+                if block.hash is not None:
                     self.free_cached[block_id] = None
                 else:
                     self.free_plain.append(block_id)

@@ -8,12 +8,11 @@ import torch
 
 from app.config import EngineConfig, ModelConfig
 from app.engine.attention import backend_ops
-from app.engine.block_hash import make_salt
 from app.engine.block_manager import BlockManager
 from app.engine.detokenizer import IncrementalDetokenizer
 from app.engine.fingerprint import eos_token_ids, model_fingerprint
-from app.engine.kv_cache import KVCache, KVCacheSpec
-from app.engine.kv_transfer import export_chunks, import_chunks
+from app.engine.kv_cache import KVCache
+from app.engine.kv_transfer import ChunkFormat, export_chunks, import_chunks
 from app.engine.model_runner import ModelRunner
 from app.engine.outputs import OutputProcessor
 from app.engine.request import Request, RequestDelta
@@ -25,6 +24,9 @@ from app.engine.spec.deltas import merge_deltas
 from app.engine.spec.factory import extra_block_bytes, make_speculator, uses_mtp
 from app.engine.structured.manager import StructuredOutputs
 from app.engine.tp_driver import min_over_ranks
+from app.kv.dtypes import resolve as resolve_kv_dtype
+from app.kv.keys import make_salt
+from app.kv.layout import KVCacheSpec
 from app.models.loader import load_model
 from app.models.parallel import SINGLE
 from app.tokenizer import Tokenizer
@@ -60,6 +62,7 @@ class Engine:
         self.tokenizer = Tokenizer.from_path(config.model, self.model_config.eos_token_ids)
         self.fingerprint = model_fingerprint(config.model, self.dtype, config.weight_quant)
         self.kv_spec = self._kv_spec(self.model_config)
+        self.chunk_format = ChunkFormat(self.fingerprint, self.kv_spec, config.cache.chunk_tokens)
         num_blocks = min_over_ranks(self._num_blocks(), self.tp_ctx, self.device)
         self.cache = KVCache(self.kv_spec, num_blocks, self.device)
         self.blocks = BlockManager(
@@ -90,7 +93,8 @@ class Engine:
         apply_weight_quant(self.model, self.model_config, self.config.weight_quant)
 
     def _kv_spec(self, cfg: ModelConfig) -> KVCacheSpec:
-        block_size, dtype = self.config.cache.block_size, self.config.kv_dtype()
+        block_size = self.config.cache.block_size
+        dtype = resolve_kv_dtype(self.config.cache.kv_cache_dtype, self.dtype)
         if hasattr(self.model, "kv_cache_spec"):  # the model declares its cache (e.g. MLA)
             return self.model.kv_cache_spec(block_size, dtype)
         return KVCacheSpec(
@@ -114,7 +118,7 @@ class Engine:
 
     @property
     def salt_base(self) -> tuple[str, str, str]:
-        return self.fingerprint, self.kv_spec.dtype_name, self.kv_spec.layout
+        return self.fingerprint, self.kv_spec.dtype.name, self.kv_spec.layout
 
     def shutdown(self) -> None:
         """Stops the tensor-parallel workers (no-op for one process); idempotent."""
@@ -146,7 +150,8 @@ class Engine:
             self.structured.attach(seqs, p.structured, request.prior_output_ids)
         self.scheduler.add(seqs)
         if request.kv_import:
-            import_chunks(self, request, salt)
+            args = (self.blocks, self.cache, self.chunk_format, request.request_id)
+            import_chunks(*args, request.prompt_token_ids, request.kv_import, salt)
         self.seqs[request.request_id] = seqs
 
     def _validate(self, request: Request) -> None:
@@ -211,7 +216,10 @@ class Engine:
             if delta is None:
                 continue
             if seq.request.prefill_only:  # hand the prompt's KV over, then stop
-                delta.exported_chunks = export_chunks(self, seq)
+                prompt = seq.token_ids[: seq.num_prompt_tokens]
+                delta.exported_chunks = export_chunks(
+                    self.cache, self.chunk_format, prompt, seq.block_table, seq.salt
+                )
                 delta.finished, seq.status = True, SeqStatus.FINISHED
             if seq.finished:
                 self._finish(seq)

@@ -1,70 +1,16 @@
-"""The paged KV cache tensors and how many blocks a byte budget buys.
+"""The paged KV cache tensors of one rank (what they hold: app/kv/layout.py KVCacheSpec).
 
-Layout (kernels/README.md): kv [L, P, num_blocks, block_size, Hkv, D] in the cache dtype,
-and for FP8 the per-token-head scale exponents [L, P, num_blocks, block_size, Hkv] int8.
-P = 2 planes (K and V) for MHA/GQA; P = 1 for MLA, whose one "head" per token is the
-compressed latent + RoPE key (D = kv_lora_rank + qk_rope_head_dim) and whose V is a view of
-that same plane (attention reads the latent as both key and value; the absorbed-weights
-formulation, app/models/mla.py).
+kv [L, P, num_blocks, block_size, Hkv, D] in the dtype's storage type and, for a dtype with
+scales (FP8), scales [L, P, num_blocks, block_size, Hkv] (kernels/README.md). For MLA (P = 1)
+V is a view of the one plane: attention reads the latent as both key and value (the
+absorbed-weights formulation, app/models/mla.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from app.engine.block_hash import LAYOUT_VERSION
-
-FP8 = torch.float8_e4m3fn
-
-
-@dataclass(frozen=True, slots=True)
-class KVCacheSpec:
-    num_layers: int
-    num_kv_heads: int  # per rank
-    head_dim: int
-    block_size: int
-    dtype: torch.dtype
-    use_mla: bool = False  # one plane (latent + rope key); V aliases it
-    # KV heads of the whole model (0: num_kv_heads). Exported chunks always carry all of them
-    # (tensor-parallel ranks gather theirs on rank 0), so the chunk layout is "tp1" whatever
-    # the replica's TP size: prefill and decode replicas may use different TP sizes.
-    total_kv_heads: int = 0
-
-    @property
-    def is_fp8(self) -> bool:
-        return self.dtype == FP8
-
-    @property
-    def num_planes(self) -> int:
-        return 1 if self.use_mla else 2
-
-    def bytes_per_token(self) -> int:
-        per_head = self.head_dim * self.dtype.itemsize + (1 if self.is_fp8 else 0)
-        return self.num_layers * self.num_planes * self.num_kv_heads * per_head
-
-    def bytes_per_block(self) -> int:
-        return self.bytes_per_token() * self.block_size
-
-    def num_blocks(self, budget_bytes: int) -> int:
-        return budget_bytes // self.bytes_per_block()
-
-    @property
-    def dtype_name(self) -> str:
-        return "fp8_e4m3" if self.is_fp8 else str(self.dtype).removeprefix("torch.")
-
-    @property
-    def chunk_kv_heads(self) -> int:
-        return self.total_kv_heads or self.num_kv_heads
-
-    @property
-    def layout(self) -> str:
-        """Names everything a reader of exported KV must agree on."""
-        return (
-            f"{LAYOUT_VERSION}:L{self.num_layers}:H{self.chunk_kv_heads}:D{self.head_dim}"
-            f":B{self.block_size}:tp1" + (":mla" if self.use_mla else "")
-        )
+from app.kv.layout import KVCacheSpec
 
 
 class KVCache:
@@ -73,12 +19,11 @@ class KVCache:
             raise ValueError("KV cache budget is smaller than one block")
         self.spec = spec
         self.num_blocks = num_blocks
-        shape = (spec.num_layers, spec.num_planes, num_blocks, spec.block_size)
-        shape += (spec.num_kv_heads, spec.head_dim)
-        self.kv = torch.zeros(shape, dtype=spec.dtype, device=device)
-        self.scales = (
-            torch.zeros(shape[:-1], dtype=torch.int8, device=device) if spec.is_fp8 else None
-        )
+        kv_shape, scale_shape = spec.tensor_shapes(num_blocks)
+        self.kv = torch.zeros(kv_shape, dtype=spec.dtype.storage, device=device)
+        self.scales = None
+        if scale_shape is not None:
+            self.scales = torch.zeros(scale_shape, dtype=spec.dtype.scale, device=device)
 
     def layer(self, i: int):
         """(k_cache, v_cache, k_scale, v_scale) views for layer i (MLA: v is k's plane)."""

@@ -39,9 +39,6 @@ class Scheduler:
             )
         self.waiting.extend(seqs)
 
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
-
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens

@@ -9,6 +9,7 @@ from app.engine.detokenizer import IncrementalDetokenizer
 from app.engine.request import Request, TokenLogprob
 from app.engine.sampling.batch import random_seed
 from app.engine.sampling_params import SamplingParams
+from app.kv.keys import BlockHash
 
 _ids = itertools.count()
 
@@ -33,7 +34,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from a cache (local or imported)
         self.block_table: list[int] = []
-        self.block_keys: list[bytes] = []  # keys of the full blocks, in order
+        self.block_hashes: list[BlockHash] = []  # of the full blocks, in order
         self.salt = salt
         self.status = SeqStatus.WAITING
         self.finish_reason: str | None = None
@@ -44,7 +45,6 @@ class Sequence:
         self.seed = random_seed() if seed is None else seed + index
         self.pending_logprobs: list[TokenLogprob] = []
         self.wait_for: Sequence | None = None  # n > 1: siblings wait for the prompt's KV
-        self.exported_chunks: list | None = None
         self.grammar = None  # SequenceGrammar (app/engine/structured) when constrained
         # Speculative decoding: this step's proposed tokens (not yet part of token_ids; they
         # become tokens only once verified) and the proposer's per-sequence state.
@@ -83,6 +83,6 @@ class Sequence:
         """Preempted: drop the KV; prompt and outputs so far are recomputed as one prefill."""
         self.num_computed_tokens = 0
         self.block_table = []
-        self.block_keys = []
+        self.block_hashes = []
         self.spec_tokens = []
         self.status = SeqStatus.WAITING

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from app.engine.kv_cache import FP8, KVCache
+from app.engine.kv_cache import KVCache
 from app.engine.model_runner import BatchInputs, ModelRunner
 from app.models.parallel import TPContext
 
@@ -70,19 +70,16 @@ def _moved(inp: BatchInputs, device: torch.device) -> BatchInputs:
 @dataclass(frozen=True, slots=True)
 class WriteKV:
     block_ids: list[int]
-    kv: torch.Tensor  # [L, P, n, H_total, D] full heads; FP8 travels as its bytes (uint8)
-    scales: torch.Tensor | None
-    fp8: bool = False  # torch cannot unpickle float8 tensors
+    kv: torch.Tensor  # [L, P, n, H_total, D] full heads, as raw bytes (uint8)
+    scales: torch.Tensor | None  # (torch cannot unpickle float8 tensors: bytes travel)
 
     @classmethod
     def make(cls, block_ids, kv: torch.Tensor, scales) -> WriteKV:
-        fp8 = kv.dtype == FP8
-        kv = kv.cpu().contiguous()
-        scales = None if scales is None else scales.cpu()
-        return cls(list(block_ids), kv.view(torch.uint8) if fp8 else kv, scales, fp8)
+        kv = kv.cpu().contiguous().view(torch.uint8)
+        return cls(list(block_ids), kv, None if scales is None else scales.cpu())
 
     def run(self, engine) -> None:
-        kv = self.kv.view(FP8) if self.fp8 else self.kv
+        kv = self.kv.view(engine.cache.spec.dtype.storage)
         write_local(engine.cache, self.block_ids, kv, self.scales, engine.tp_ctx)
 
 
@@ -117,7 +114,7 @@ def write_local(cache: KVCache, block_ids, kv, scales, ctx: TPContext) -> None:
 
 
 def _gather(local: torch.Tensor, ctx: TPContext) -> list[torch.Tensor]:
-    raw = local.view(torch.uint8) if local.dtype == torch.float8_e4m3fn else local
+    raw = local.view(torch.uint8)  # gloo has no float8: gather the bytes
     parts = [torch.empty_like(raw) for _ in range(ctx.size)]
     dist.all_gather(parts, raw.contiguous(), group=ctx.group)
     return [p.view(local.dtype) for p in parts]

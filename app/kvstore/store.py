@@ -7,7 +7,7 @@ zero-copy way for a producer to create an object another actor owns; the copy th
 makes instead costs one memcpy of the chunk on the shard's node (bench/serve.py measures it)
 and lets ownership follow the store's lifetime rather than any replica's.
 
-Keys chain (a chunk's key names its whole prefix, see app/engine/block_hash.py), so a
+Keys chain (a chunk's key names its whole prefix, see app/kv/keys.py), so a
 prompt's store hit is the longest run of its chunk keys that are present.
 """
 

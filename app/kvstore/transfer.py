@@ -18,7 +18,7 @@ import numpy as np
 import ray
 from ray.exceptions import RayError
 
-from app.kvstore.chunk import ChunkError, KVChunk
+from app.kv.chunk import ChunkError, KVChunk
 from app.kvstore.store import KVStoreClient, StoredChunk
 
 logger = logging.getLogger(__name__)

@@ -7,11 +7,11 @@ The model declares its KV cache: one plane, one head of kv_lora_rank + qk_rope_h
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from app.config import ModelConfig
-from app.engine.kv_cache import KVCacheSpec
+from app.kv.dtypes import KVDtype
+from app.kv.layout import KVCacheSpec
 from app.models.mla import MLAAttention
 from app.models.mla_rope import MLARotaryEmbedding, softmax_mscale
 from app.models.moe import MoECausalLM
@@ -38,7 +38,7 @@ class DeepseekV3ForCausalLM(MoECausalLM):
             )
         return MLAAttention(cfg, layer, tp, self.rotary)
 
-    def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
+    def kv_cache_spec(self, block_size: int, dtype: KVDtype) -> KVCacheSpec:
         """One plane of [latent ; rope key] per token and layer (same on every TP rank)."""
         n = self.config.num_hidden_layers
         return KVCacheSpec(n, 1, self.kv_width, block_size, dtype, use_mla=True)

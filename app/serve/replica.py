@@ -12,9 +12,9 @@ import torch
 
 from app.config import CacheConfig, EngineConfig, SchedulerConfig
 from app.engine.async_engine import AsyncEngine
-from app.engine.block_hash import chain_keys, make_salt
 from app.engine.engine import Engine
-from app.kvstore.chunk import KVChunk
+from app.kv.chunk import KVChunk
+from app.kv.keys import chain_keys, make_salt
 from app.kvstore.store import KVStoreClient, StoredChunk
 from app.kvstore.transfer import ChunkExpectation, FetchResult, fetch_verified
 from app.serve.autoscaling import autoscaling_stats
@@ -74,7 +74,7 @@ class EngineHost:
         spec = self.engine.kv_spec
         self.chunk_tokens = args.engine.chunk_tokens
         self.block_size = spec.block_size
-        self.expect = ChunkExpectation(self.engine.fingerprint, spec.layout, spec.dtype_name)
+        self.expect = ChunkExpectation(self.engine.fingerprint, spec.layout, spec.dtype.name)
         self.inflight_tokens = 0  # prompt tokens of requests this replica is working on
         self._recent: OrderedDict[int, None] = OrderedDict()
         model = model_label(args.served_model_name, self.engine.config.model)
@@ -107,7 +107,7 @@ class EngineHost:
             "max_model_len": cfg.max_position_embeddings,
             "vocab_size": cfg.vocab_size,
             "eos_token_ids": sorted(self.engine.outputs.eos_ids),
-            "kv_cache_dtype": self.engine.kv_spec.dtype_name,  # resolved: never "auto"
+            "kv_cache_dtype": self.engine.kv_spec.dtype.name,  # resolved: never "auto"
         }
 
     def chunk_keys(self, prompt: list[int], cache_salt: str | None) -> list[bytes]:

@@ -3,7 +3,7 @@
 import torch
 
 from app import LLM, SamplingParams
-from app.engine.kv_cache import KVCacheSpec
+from app.kv.layout import KVCacheSpec
 from kernels.reference import dequantize_fp8, quantize_fp8
 
 PROMPT = [3 + (i * 7) % 300 for i in range(48)]

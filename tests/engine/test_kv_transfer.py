@@ -6,7 +6,8 @@ from app.config import CacheConfig, EngineConfig
 from app.engine.engine import Engine
 from app.engine.request import Request
 from app.engine.sampling_params import SamplingParams
-from app.kvstore.chunk import KVChunk
+from app.kv import keys
+from app.kv.chunk import KVChunk
 
 PROMPT = [3 + (i * 7) % 300 for i in range(75)]  # 2 chunks of 32 + a partial of 11
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -73,3 +74,32 @@ def test_import_of_chunks_for_another_prompt_is_ignored(engines):
     other = [PROMPT[0] + 1] + PROMPT[1:]
     rest = run(decode, Request("d3", other, GREEDY, kv_import=first.exported_chunks))
     assert rest[0].num_cached_tokens == 0
+
+
+def test_import_of_colliding_chunk_from_another_prefix_is_caught(llama_path, monkeypatch):
+    """Chunk X exported after prefix Z, offered after prefix A with a colliding key (keys
+    forced to forget the parent; X's own tokens equal): the prefix digest refuses it.
+
+    Seen failing: with the digest check in kv_transfer._verified_hashes removed, the decode
+    request took 64 cached tokens (A and the foreign X), not 32."""
+    monkeypatch.setattr(keys, "block_key", _own_tokens_key)
+    prefill, decode = make_engine(llama_path), make_engine(llama_path)
+    a, x, tail = PROMPT[:32], PROMPT[32:64], PROMPT[64:]
+    z = [5 + (i * 3) % 290 for i in range(32)]
+    (from_z,) = run(prefill, Request("z", z + x + tail, GREEDY, prefill_only=True))
+    (from_a,) = run(prefill, Request("a", a + z, GREEDY, prefill_only=True))
+    offered = [from_a.exported_chunks[0], from_z.exported_chunks[1]]  # A, then Z's X
+    assert offered[1].key == keys.chain_hashes(a + x, 16, b"")[-1].key  # the key collides
+    rest = run(decode, Request("d", a + x + tail, GREEDY, kv_import=offered))
+    assert rest[0].num_cached_tokens == 32
+    monkeypatch.undo()
+    ref = run(make_engine(llama_path), Request("r", a + x + tail, GREEDY))
+    assert [d.new_token_ids for d in rest] == [d.new_token_ids for d in ref]
+
+
+def _own_tokens_key(parent, ids, salt) -> bytes:
+    from array import array
+
+    import xxhash
+
+    return xxhash.xxh3_128(array("q", ids).tobytes()).digest()

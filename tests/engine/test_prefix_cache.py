@@ -1,10 +1,13 @@
 """Prefix cache: hits, tenant isolation, collisions, eviction and leaks."""
 
+from array import array
+
 import pytest
+import xxhash
 
 from app import LLM, SamplingParams
-from app.engine import block_manager
 from app.engine.request import Request
+from app.kv import keys
 
 BASE = [3 + (i * 11) % 300 for i in range(40)]  # 2 full blocks of 16 + 8
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -37,15 +40,48 @@ def test_no_hit_across_cache_salts(llm):
     assert same.num_cached_tokens == 32
 
 
+def own_tokens_key(parent, ids, salt) -> bytes:
+    """A block key that forgets the parent and the salt: equal block tokens always collide."""
+    return xxhash.xxh3_128(array("q", ids).tobytes()).digest()
+
+
 def test_forced_collision_never_serves_wrong_block(llm, llama_path, monkeypatch):
-    # Every block gets the same key: only the stored token ids tell blocks apart.
-    monkeypatch.setattr(block_manager, "block_key", lambda parent, ids, salt: b"k" * 16)
+    # Every block gets the same key: only the prefix digests tell blocks apart.
+    monkeypatch.setattr(keys, "block_key", lambda parent, ids, salt: b"k" * 16)
     other = [5 + (i * 13) % 290 for i in range(40)]
     outs = llm.generate([BASE], GREEDY) + llm.generate([other], GREEDY)
     assert outs[1].num_cached_tokens == 0
     assert llm.engine.blocks.stats.collisions >= 1
     monkeypatch.undo()
     assert [o.token_ids for o in outs] == reference(llama_path, [BASE, other])
+
+
+def test_key_collision_after_another_earlier_prefix_is_caught(llm, llama_path, monkeypatch):
+    """Block X cached after prefix Z must not serve X after prefix A, even when X's key
+    collides (same block tokens, keys forced to forget the parent).
+
+    Seen failing: with the digest comparison in BlockManager.lookup removed (the block's own
+    token ids, the old check, are equal), the last prompt took 32 cached tokens, not 16."""
+    monkeypatch.setattr(keys, "block_key", own_tokens_key)
+    a, z, x = BASE[:16], [7 + (i * 5) % 280 for i in range(16)], BASE[16:32]
+    llm.generate([a + [1, 2, 3]], GREEDY)  # caches block A
+    llm.generate([z + x + BASE[32:]], GREEDY)  # caches Z, then X computed after Z
+    out = llm.generate([a + x + BASE[32:]], GREEDY)[0]
+    assert out.num_cached_tokens == 16  # A only
+    assert llm.engine.blocks.stats.collisions >= 1
+    monkeypatch.undo()
+    assert out.token_ids == reference(llama_path, [a + x + BASE[32:]])[0]
+
+
+def test_key_collision_across_cache_salts_is_caught(llm, monkeypatch):
+    """Keys forced to ignore the salt: tenant b still never reuses tenant a's blocks.
+
+    Seen failing: without the digest comparison, tenant b took 32 cached tokens."""
+    monkeypatch.setattr(keys, "block_key", own_tokens_key)
+    llm.generate([BASE], GREEDY, cache_salt="tenant-a")
+    other = llm.generate([BASE], GREEDY, cache_salt="tenant-b")[0]
+    assert other.num_cached_tokens == 0
+    assert llm.engine.blocks.stats.collisions >= 1
 
 
 def test_eviction_under_pressure_keeps_outputs_right(llama_path):

@@ -10,7 +10,8 @@ from app import LLM, SamplingParams
 from app.config import CacheConfig, EngineConfig
 from app.engine.engine import Engine
 from app.engine.request import Request
-from app.kvstore.chunk import ChunkMismatchError, KVChunk, KVLayout
+from app.kv.chunk import ChunkMismatchError, KVChunk
+from app.kv.layout import KVLayout
 from app.quant import Int4Linear
 from models.moe_checkpoints import (
     PROMPTS,

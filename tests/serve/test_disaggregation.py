@@ -10,7 +10,7 @@ import ray
 from ray import serve
 
 from app import LLM, SamplingParams
-from app.kvstore.chunk import KVChunk
+from app.kv.chunk import KVChunk
 from app.kvstore.store import KVStoreClient
 from app.kvstore.transfer import ChunkExpectation, fetch_verified
 from app.serve.messages import DecodeRequest, GenerateRequest, RoutingInfo

@@ -2,13 +2,8 @@ import msgpack
 import pytest
 import torch
 
-from app.kvstore.chunk import (
-    ChunkIntegrityError,
-    ChunkMeta,
-    ChunkMismatchError,
-    KVChunk,
-    KVLayout,
-)
+from app.kv.chunk import ChunkIntegrityError, ChunkMeta, ChunkMismatchError, KVChunk
+from app.kv.layout import KVCacheSpec, KVLayout, LayoutError
 
 LAYOUT = str(KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4))
 FP = "tiny-llama@abc123"
@@ -23,6 +18,7 @@ def _meta(kv_dtype: str, n: int = 8, key: bytes = b"k" * 16) -> ChunkMeta:
         start_pos=16,
         key=key,
         parent_key=b"p" * 16,
+        digest=b"d" * 32,
     )
 
 
@@ -102,6 +98,7 @@ def _rewrite_header(buf: bytes, **changes) -> bytes:
         {"key": b"x" * 16},
         {"parent_key": None},
         {"fingerprint": "other-model"},
+        {"digest": b"e" * 32},
     ],
 )
 def test_modified_header_field_is_detected(change):
@@ -187,13 +184,11 @@ def test_layout_parse_round_trips():
     assert str(single) == "paged-v1:L2:H2:D16:B16:tp1"  # the engine's KVCacheSpec.layout
     assert KVLayout.parse(str(single)) == single
     for bad in ("v0:L1:H1:D1:B1:tp0/1", "paged-v1:L1:H1:D1:tp1", "paged-v1:X1:H1:D1:B1:tp1"):
-        with pytest.raises(ChunkMismatchError):
+        with pytest.raises(LayoutError):
             KVLayout.parse(bad)
 
 
 def test_engine_layout_string_parses():
-    from app.engine.kv_cache import KVCacheSpec
-
     spec = KVCacheSpec(
         num_layers=4, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float8_e4m3fn
     )

@@ -1,0 +1,182 @@
+"""KVChunk: the unit of KV cache that crosses a process boundary (framing: chunk_header.py).
+
+The payload for ``n`` tokens is K/V ``[L, P, n, Hkv, D]`` in the dtype's storage type
+followed, for a dtype with scales (FP8), by the scales ``[L, P, n, Hkv]``, raw and
+contiguous. P = 2 (K and V), or 1 for an MLA layout (``...:mla``: one plane holding the
+latent + RoPE key, Hkv = 1). Readers call :meth:`KVChunk.decode` with what they expect
+(fingerprint, layout, key, token ids, digest) before the chunk touches a cache.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+
+import msgpack
+import torch
+
+from app.kv.chunk_header import (
+    MAGIC,
+    PREFIX,
+    ChunkError,
+    ChunkIntegrityError,
+    ChunkMeta,
+    ChunkMismatchError,
+    compute_tag,
+    header_values,
+    hex_key,
+    numel,
+    parse,
+)
+from app.kv.dtypes import kv_dtype
+
+__all__ = ["ChunkError", "ChunkIntegrityError", "ChunkMeta", "ChunkMismatchError", "KVChunk"]
+
+
+@dataclass(frozen=True, slots=True)
+class KVChunk:
+    meta: ChunkMeta
+    payload: memoryview = field(repr=False)
+    tag: int
+
+    @property
+    def key(self) -> bytes | None:
+        return self.meta.key
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        return self.meta.token_ids
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.payload)
+
+    @classmethod
+    def from_tensors(
+        cls, meta: ChunkMeta, kv: torch.Tensor, scales: torch.Tensor | None = None
+    ) -> KVChunk:
+        """kv: [L, P, n, Hkv, D] in the dtype's storage; scales: [L, P, n, Hkv] (FP8 only)."""
+        dtype = kv_dtype(meta.kv_dtype)
+        kv_shape, scale_shape = meta.shapes()
+        if tuple(kv.shape) != kv_shape or kv.dtype != dtype.storage:
+            raise ValueError(
+                f"kv is {tuple(kv.shape)} {kv.dtype}; chunk expects {kv_shape} {dtype.storage}"
+            )
+        if scale_shape is None and scales is not None:
+            raise ValueError(f"{meta.kv_dtype} chunks carry no scales")
+        if scale_shape is not None and (
+            scales is None or tuple(scales.shape) != scale_shape or scales.dtype != dtype.scale
+        ):
+            got = None if scales is None else (tuple(scales.shape), scales.dtype)
+            raise ValueError(f"{dtype.name} chunk needs {dtype.scale} scales {scale_shape}: {got}")
+        buf = bytearray(meta.payload_len())  # one copy from the cache into the payload
+        flat = _view(memoryview(buf), torch.uint8)
+        kv_bytes = kv.numel() * kv.element_size()
+        flat[:kv_bytes].copy_(_as_bytes(kv))
+        if scales is not None:
+            flat[kv_bytes:].copy_(_as_bytes(scales))
+        payload = memoryview(buf)
+        return cls(meta, payload, compute_tag(meta, payload))
+
+    def to_tensors(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(kv [L, P, n, Hkv, D], scales [L, P, n, Hkv] | None), CPU views of the payload.
+
+        The views may share read-only memory with the received buffer: copy before writing.
+        """
+        dtype = kv_dtype(self.meta.kv_dtype)
+        kv_shape, scale_shape = self.meta.shapes()
+        kv_bytes = numel(kv_shape) * dtype.storage.itemsize
+        kv = _view(self.payload[:kv_bytes], torch.uint8).view(dtype.storage).view(kv_shape)
+        if scale_shape is None:
+            return kv, None
+        return kv, _view(self.payload[kv_bytes:], dtype.scale).view(scale_shape)
+
+    def header_dict(self) -> dict:
+        return {**header_values(self.meta, len(self.payload)), "tag": self.tag}
+
+    def encode(self) -> bytes:
+        header = msgpack.packb(self.header_dict(), use_bin_type=True)
+        return b"".join((PREFIX.pack(MAGIC, len(header)), header, self.payload))
+
+    @classmethod
+    def decode(
+        cls,
+        buf: bytes | bytearray | memoryview,
+        *,
+        expected_fingerprint: str | None = None,
+        expected_layout: str | None = None,
+        expected_kv_dtype: str | None = None,
+        expected_key: bytes | None = None,
+        expected_token_ids: tuple[int, ...] | list[int] | None = None,
+    ) -> KVChunk:
+        """Parse and verify a buffer; the payload is a zero-copy view of ``buf``.
+
+        Raises ChunkIntegrityError on damaged bytes and ChunkMismatchError when the chunk is
+        intact but differs from an expectation.
+        """
+        meta, payload, tag = parse(memoryview(buf).cast("B"))
+        expected_tag = compute_tag(meta, payload)
+        if tag != expected_tag:
+            raise ChunkIntegrityError(
+                f"chunk {hex_key(meta.key)} tag mismatch: header says {tag:#018x}, "
+                f"content hashes to {expected_tag:#018x}"
+            )
+        chunk = cls(meta, payload, tag)
+        chunk.check(
+            fingerprint=expected_fingerprint,
+            layout=expected_layout,
+            kv_dtype=expected_kv_dtype,
+            key=expected_key,
+            token_ids=expected_token_ids,
+        )
+        return chunk
+
+    def check(
+        self,
+        *,
+        fingerprint: str | None = None,
+        layout: str | None = None,
+        kv_dtype: str | None = None,
+        key: bytes | None = None,
+        token_ids: tuple[int, ...] | list[int] | None = None,
+        digest: bytes | None = None,
+    ) -> None:
+        """Raise ChunkMismatchError unless the header matches every given expectation."""
+        m = self.meta
+        wanted = (
+            ("fingerprint", fingerprint, m.fingerprint),
+            ("layout", layout, m.layout),
+            ("kv dtype", kv_dtype and _dtype_name(kv_dtype), m.kv_dtype),
+            ("key", key, m.key),
+            ("prefix digest", digest, m.digest),
+        )
+        for what, want, got in wanted:
+            if want is not None and want != got:
+                raise ChunkMismatchError(
+                    f"chunk {hex_key(m.key)}: {what} is {_show(got)}, expected {_show(want)}"
+                )
+        if token_ids is not None and tuple(token_ids) != m.token_ids:
+            raise ChunkMismatchError(
+                f"chunk {hex_key(m.key)}: token ids differ from the prompt's "
+                f"({m.num_tokens} tokens in chunk, {len(token_ids)} expected)"
+            )
+
+
+def _dtype_name(name: str) -> str:
+    return kv_dtype(name).name
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().view(torch.uint8).reshape(-1).cpu()
+
+
+def _view(mv: memoryview, dtype: torch.dtype) -> torch.Tensor:
+    if len(mv) == 0:
+        return torch.empty(0, dtype=dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # read-only buffers are fine: callers copy
+        return torch.frombuffer(mv, dtype=dtype)
+
+
+def _show(value) -> str:
+    return hex_key(value) if isinstance(value, bytes) else repr(value)
