@@ -7,8 +7,9 @@ import os
 from dataclasses import replace
 
 from app.config import ModelConfig, SpeculativeConfig
-from app.engine.kv_cache import KVCache, KVCacheSpec
+from app.engine.kv_cache import KVCache
 from app.engine.spec.speculator import Speculator
+from app.kv.layout import KVCacheSpec
 
 
 def uses_mtp(config: SpeculativeConfig | None) -> bool:

@@ -8,7 +8,7 @@ request reported A's prompt as cached (num_cached_tokens 32) and the store keys 
 import pytest
 
 from app import LLM, SamplingParams
-from app.engine.block_hash import make_salt
+from app.kv.keys import make_salt
 from app.serve.replica import prompt_chunk_keys
 
 PROMPT = list(range(10, 50))  # 40 tokens: two full blocks of 16 can be cached
