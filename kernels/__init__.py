@@ -24,12 +24,14 @@ from kernels import reference
 __all__ = [
     "force_triton",
     "fp8_gemm",
+    "fused_moe",
     "int4_gemm",
     "kv_write",
     "paged_decode_attention",
     "paged_prefill_attention",
     "triton_available",
     "triton_fp8_gemm",
+    "triton_fused_moe",
     "triton_int4_gemm",
     "triton_kv_write",
     "triton_paged_decode_attention",
@@ -39,6 +41,7 @@ __all__ = [
 
 _DISPATCH = (
     "fp8_gemm",
+    "fused_moe",
     "int4_gemm",
     "kv_write",
     "paged_decode_attention",
@@ -98,6 +101,10 @@ def triton_fp8_gemm(*args, **kwargs) -> torch.Tensor:
     return _kernel("fp8_gemm", "fp8_gemm")(*args, **kwargs)
 
 
+def triton_fused_moe(*args, **kwargs) -> torch.Tensor:
+    return _kernel("fused_moe", "fused_moe")(*args, **kwargs)
+
+
 def triton_kv_write(*args, **kwargs) -> None:
     return _kernel("kv_write", "kv_write")(*args, **kwargs)
 
@@ -120,6 +127,17 @@ def fp8_gemm(x, weight, scale, block: tuple[int, int]) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W.T, W = FP8 weight [N, K] * block scale; see kernels/README.md."""
     fn = triton_fp8_gemm if use_triton(x) else reference.fp8_gemm
     return fn(x, weight, scale, block)
+
+
+def fused_moe(x, topk_weights, topk_ids, w) -> torch.Tensor:
+    """Routed experts' weighted sum [T, H] for x [T, H] and its top-k (weights, local expert
+    ids) [T, k], w a `kernels.moe_common.MoEWeights`: Triton's two grouped GEMMs on CUDA,
+    the sorted-layout torch path on CPU (reference.fused_moe is the per-expert loop)."""
+    if use_triton(x):
+        return triton_fused_moe(x, topk_weights, topk_ids, w)
+    from kernels.moe_common import fused_moe_torch
+
+    return fused_moe_torch(x, topk_weights, topk_ids, w)
 
 
 def kv_write(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping) -> None:

@@ -195,3 +195,25 @@ def fp8_gemm(
 ) -> torch.Tensor:
     """y = x @ W.T with W the block-scaled FP8 weight, in fp32, -> [M, N] x.dtype."""
     return (x.float() @ dequantize_fp8_blocks(weight, scale, block).T).to(x.dtype)
+
+
+def fused_moe(
+    x: torch.Tensor,  # [T, H]
+    topk_weights: torch.Tensor,  # [T, k] float32 routing weights
+    topk_ids: torch.Tensor,  # [T, k] int64 local expert ids (outside [0, E): other ranks')
+    w,  # kernels.moe_common.MoEWeights
+) -> torch.Tensor:
+    """The per-expert loop, in fp32: for each (token, expert) pair,
+    out[t] += weight * down_e(silu(gate_e(x[t])) * up_e(x[t])) -> [T, H] x.dtype."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    i = w.intermediate
+    for e in range(w.num_experts):
+        t, j = (topk_ids == e).nonzero(as_tuple=True)
+        if t.numel() == 0:
+            continue
+        idx = torch.tensor([e], device=x.device)
+        w13, w2 = w.dense(idx, "13", torch.float32)[0], w.dense(idx, "2", torch.float32)[0]
+        h = x[t].float() @ w13.T
+        y = (torch.nn.functional.silu(h[:, :i]) * h[:, i:]) @ w2.T
+        out.index_add_(0, t, y * topk_weights[t, j].float().unsqueeze(1))
+    return out.to(x.dtype)

@@ -6,8 +6,12 @@ scored by the sum of its two best biased scores, the best `topk_group` groups st
 and the top `num_experts_per_tok` eligible experts are chosen. Their unbiased scores are the
 weights, optionally renormalized to sum to 1, times `routed_scaling_factor`.
 
-Execution: the (token, expert) pairs are sorted by expert, each active expert runs one GEMM
-over its contiguous slice of gathered tokens, and the weighted outputs are scattered back.
+Execution (`kernels.fused_moe`): the experts' weights are stacked once (moe_fused.py; each
+expert's parameters become views of the stacks); the (token, expert) pairs are sorted by
+expert; on CUDA two Triton grouped GEMMs run all experts at once (gate+up with SiLU-and-mul
+fused, down with the routing weights applied), on CPU torch runs the sorted layout expert by
+expert on the stacks. INT4 experts on CPU, act-order INT4 and mixed expert kinds keep the
+per-expert module loop (`routed_loop`), which is also the reference the tests compare to.
 Experts are ordinary `GatedMLP` modules, so checkpoint names (`experts.{e}.gate_proj`) load
 through `packed_modules_mapping` and INT4 swaps them by module replacement (`app.quant`:
 `Int4Linear`, compressed-tensors `pack-quantized` experts as in Kimi K2's INT4 release).
@@ -21,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import kernels
+
 from app.config import ModelConfig
 from app.models.layers import (
     MergedColumnParallelLinear,
@@ -30,6 +36,7 @@ from app.models.layers import (
     VocabParallelEmbedding,
 )
 from app.models.llama import DecoderStack
+from app.models.moe_fused import stack_experts
 from app.models.parallel import SINGLE, TPContext
 
 _EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
@@ -148,6 +155,8 @@ class MoE(nn.Module):
         )
         shared = raw.get("n_shared_experts") or 0
         self.shared_experts = GatedMLP(h, inter * shared, tp, reduce=False) if shared else None
+        self.use_fused = True  # False: the per-expert module loop (reference, benchmarks)
+        self._fused: tuple | None = None  # (first expert's projections, MoEWeights | None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, hidden]
         weights, ids = self.gate(x)  # [T, k] float32, [T, k] int64
@@ -156,8 +165,26 @@ class MoE(nn.Module):
             out = out + self.shared_experts(x)
         return self.tp.all_reduce(out)
 
+    def fused_weights(self):
+        """The stacked MoEWeights (built on first use, rebuilt if a module replacement swapped
+        the expert projections since), or None when the experts cannot be fused."""
+        first = self.experts[self.local.start]
+        key = (first.gate_up_proj, first.down_proj)
+        if self._fused is None or self._fused[0] != key:
+            local = [self.experts[e] for e in self.local]
+            self._fused = (key, stack_experts(local))
+        return self._fused[1]
+
     def routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """This rank's experts' weighted outputs: [T, hidden] (a partial sum under TP/EP)."""
+        w = self.fused_weights() if self.use_fused and len(self.local) else None
+        if w is None or (w.kind == "int4" and not kernels.use_triton(x)):
+            return self.routed_loop(x, weights, ids)
+        # Local expert ids; another EP rank's experts fall outside [0, E_local) and are skipped.
+        return kernels.fused_moe(x, weights, ids - self.local.start, w)
+
+    def routed_loop(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor):
+        """One module call per active expert over its slice of gathered tokens: [T, hidden]."""
         k, lo, hi = ids.shape[1], self.local.start, self.local.stop
         flat = ids.flatten()  # [T*k]: row r is token r // k's (r % k)-th expert
         order = flat.argsort(stable=True)  # rows grouped by expert

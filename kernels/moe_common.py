@@ -1,0 +1,130 @@
+"""Fused MoE without Triton: the expert weight bundle, routing sort/pad, and the CPU path.
+
+Every routed (token, expert) pair is a *row* `r = t * top_k + j` (token t's j-th expert).
+Rows are sorted by expert; for the Triton kernels each expert's slice is padded to a
+multiple of BLOCK_M with the sentinel `T * top_k`, so every BLOCK_M tile has one expert.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kernels.reference import dequantize_fp8_blocks, unpack_int4
+
+
+@dataclass(slots=True)
+class MoEWeights:
+    """One rank's experts, stacked. kind: "dense" | "fp8" | "int4".
+
+    dense: w13 [E, 2I, H], w2 [E, H, I] (gate rows then up rows, as `gate_up_proj`).
+    fp8:   the same shapes in float8_e4m3fn; s13 [E, ceil(2I/bn), ceil(H/bk)], s2 likewise
+           float32, `block` = (bn, bk).
+    int4:  w13 [E, 2I, H/8] int32 (kernels/README.md packing), s13 [E, 2I, H/g],
+           z13 [E, 2I, H/g] or None (symmetric, 8); w2 [E, H, I/8] ...; `group` = g.
+    """
+
+    kind: str
+    w13: torch.Tensor
+    w2: torch.Tensor
+    s13: torch.Tensor | None = None
+    s2: torch.Tensor | None = None
+    z13: torch.Tensor | None = None
+    z2: torch.Tensor | None = None
+    block: tuple[int, int] = (128, 128)  # FP8 scale block of w13
+    group: int = 128
+    block2: tuple[int, int] | None = None  # FP8 scale block of w2 (None: `block`)
+
+    def block_of(self, which: str) -> tuple[int, int]:
+        return self.block if which == "13" or self.block2 is None else self.block2
+
+    @property
+    def num_experts(self) -> int:
+        return self.w13.shape[0]
+
+    @property
+    def intermediate(self) -> int:
+        return self.w13.shape[1] // 2
+
+    def dense(self, e: torch.Tensor, which: str, dtype: torch.dtype) -> torch.Tensor:
+        """Experts e [A] of w13 or w2 dequantized -> [A, N, K] dtype."""
+        w, s, z = (self.w13, self.s13, self.z13) if which == "13" else (self.w2, self.s2, self.z2)
+        w = w.index_select(0, e)
+        if self.kind == "dense":
+            return w.to(dtype)
+        if self.kind == "fp8":
+            s = s.index_select(0, e)
+            blk = self.block_of(which)
+            return torch.stack([dequantize_fp8_blocks(a, b, blk, dtype) for a, b in zip(w, s)])
+        q = unpack_int4(w).float()  # [A, N, K]
+        s = s.index_select(0, e).float().repeat_interleave(self.group, -1)
+        z = 8.0 if z is None else z.index_select(0, e).float().repeat_interleave(self.group, -1)
+        return ((q - z) * s).to(dtype)
+
+
+def sort_rows(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, list[int]]:
+    """ids [T, k] (local expert ids; >= num_experts or < 0: not this rank's) -> (rows of this
+    rank's pairs sorted by expert [R] int64, count per expert (one host sync))."""
+    flat = ids.flatten()
+    local = (flat >= 0) & (flat < num_experts)
+    key = torch.where(local, flat, num_experts)
+    order = key.argsort(stable=True)
+    counts = torch.bincount(key, minlength=num_experts + 1).tolist()
+    return order[: sum(counts[:num_experts])], counts[:num_experts]
+
+
+def align_rows(
+    ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (sorted_rows [P] int32, each expert's slice padded to a multiple of block_m with the
+    sentinel T*k; block_expert [P / block_m] int32, the expert of each tile)."""
+    rows, counts = sort_rows(ids, num_experts)
+    sentinel = ids.numel()
+    padded = [-(-c // block_m) * block_m for c in counts]
+    out = torch.full((sum(padded),), sentinel, dtype=torch.int32, device=ids.device)
+    experts = torch.repeat_interleave(
+        torch.arange(num_experts, device=ids.device),
+        torch.tensor(padded, device=ids.device) // block_m,
+    )
+    starts = torch.tensor([0] + padded[:-1], device=ids.device).cumsum(0)
+    within = torch.arange(rows.numel(), device=ids.device) - torch.repeat_interleave(
+        torch.tensor([0] + counts[:-1], device=ids.device).cumsum(0),
+        torch.tensor(counts, device=ids.device),
+    )
+    dest = torch.repeat_interleave(starts, torch.tensor(counts, device=ids.device)) + within
+    out[dest] = rows.to(torch.int32)
+    return out, experts.to(torch.int32)
+
+
+def fused_moe_torch(
+    x: torch.Tensor,  # [T, H]
+    topk_weights: torch.Tensor,  # [T, k] float32
+    topk_ids: torch.Tensor,  # [T, k] int64, local expert ids (others skipped)
+    w: MoEWeights,
+) -> torch.Tensor:
+    """The CPU path over the sorted layout: tokens gathered once, then per active expert two
+    matmuls on the stacked weights in place (no module calls, no weight copies for dense;
+    FP8/INT4 experts dequantized one at a time), SiLU-and-mul between, one weighted
+    scatter-add at the end. [T, H].
+
+    Measured on 2 shared CPU cores, torch._grouped_mm over the same layout was slower than
+    this at 1-64 tokens once the weights of the active experts had to be gathered, and
+    never reliably faster (bench/kernels.py --cpu-moe)."""
+    k = topk_ids.shape[1]
+    rows, counts = sort_rows(topk_ids, w.num_experts)
+    out = torch.zeros_like(x)
+    if rows.numel() == 0:
+        return out
+    xs = x.index_select(0, rows // k)  # [R, H] grouped by expert
+    ys, start = torch.empty_like(xs), 0
+    for e, c in enumerate(counts):
+        if not c:
+            continue
+        idx = torch.tensor([e], device=x.device)
+        gate, up = F.linear(xs[start : start + c], w.dense(idx, "13", x.dtype)[0]).chunk(2, -1)
+        ys[start : start + c] = F.linear(F.silu(gate) * up, w.dense(idx, "2", x.dtype)[0])
+        start += c
+    ys = (ys.float() * topk_weights.flatten()[rows].unsqueeze(1)).to(x.dtype)
+    return out.index_add_(0, rows // k, ys)
