@@ -26,7 +26,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
-
 from app.config import ModelConfig
 from app.models.layers import (
     MergedColumnParallelLinear,
