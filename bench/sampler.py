@@ -54,7 +54,7 @@ def _time(fn, repeats: int) -> float:
 def run(rows: int, vocab: int, repeats: int) -> dict:
     params = SamplingParams(temperature=0.8, top_p=0.9, seed=1)
     seqs = [
-        SimpleNamespace(params=params, token_ids=[1, 2, 3], num_prompt_tokens=3, seed=i)
+        SimpleNamespace(params=params, token_ids=[1, 2, 3], num_sampling_prompt_tokens=3, seed=i)
         for i in range(rows)
     ]
     results = {}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 
 from app.engine.structured.spec import StructuredOutputSpec
@@ -68,6 +69,14 @@ class SamplingParams:
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
         )
+
+
+def random_seed() -> int:
+    """A fresh seed for a request that gives none (its output is still random per request).
+
+    The ingress picks it, so a disaggregated request's prefill and decode replicas draw the
+    same position-keyed noise; the engine picks one only for requests that arrive without."""
+    return random.SystemRandom().getrandbits(63)
 
 
 def _is_num(x) -> bool:

@@ -7,8 +7,7 @@ import itertools
 
 from app.engine.detokenizer import IncrementalDetokenizer
 from app.engine.request import Request, TokenLogprob
-from app.engine.sampling.batch import random_seed
-from app.engine.sampling_params import SamplingParams
+from app.engine.sampling_params import SamplingParams, random_seed
 from app.kv.keys import BlockHash
 
 _ids = itertools.count()
@@ -31,6 +30,10 @@ class Sequence:
         self.params: SamplingParams = request.sampling_params
         self.token_ids: list[int] = list(request.prompt_token_ids)
         self.num_prompt_tokens = len(self.token_ids)
+        # The prompt as penalties see it: outputs sampled on another replica (a prefill
+        # replica's first token, sent as the prompt's tail) count as outputs.
+        prior = min(len(request.prior_output_ids), self.num_prompt_tokens)
+        self.num_sampling_prompt_tokens = self.num_prompt_tokens - prior
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from a cache (local or imported)
         self.block_table: list[int] = []

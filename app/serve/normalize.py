@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from app.engine.sampling_params import SamplingParams
+from app.engine.sampling_params import SamplingParams, random_seed
 from app.engine.structured.tools import ToolChoice
 from app.serve.config import ServeArgs
 from app.serve.messages import GenerateRequest, RoutingInfo, short_key
@@ -74,7 +74,9 @@ class NormalizedRequest:
     def choice(self, index: int, info: EngineInfo, role: str) -> GenerateRequest:
         """The engine request for choice `index`; `role` picks the routing hint."""
         params = self.params
-        if params.seed is not None and params.n > 1:  # distinct but reproducible choices
+        if params.seed is None:  # picked here: prefill and decode replicas draw the same noise
+            params = dataclasses.replace(params, seed=random_seed())
+        elif params.n > 1:  # distinct but reproducible choices
             params = dataclasses.replace(params, seed=params.seed + index)
         keys = prompt_chunk_keys(
             self.prompt_token_ids, info.salt_base, self.cache_salt, info.block_size,

@@ -73,8 +73,8 @@ def sample_batch(logits: torch.Tensor, seqs, generators) -> list[tuple[int, Toke
             sample_one(
                 logits[i].clone(),
                 s.params,
-                s.token_ids[: s.num_prompt_tokens],
-                s.token_ids[s.num_prompt_tokens :],
+                s.token_ids[: s.num_sampling_prompt_tokens],
+                s.token_ids[s.num_sampling_prompt_tokens :],
                 g,
             )
             for i, (s, g) in enumerate(zip(seqs, generators))

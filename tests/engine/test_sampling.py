@@ -1,5 +1,7 @@
 """Sampling parameters, stop conditions, logprobs and detokenization."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -138,3 +140,29 @@ def test_chat_renders_template(llm):
     out = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
     assert out.prompt_token_ids == llm.tokenizer.encode(rendered, add_special_tokens=False)
     assert len(out.token_ids) == 4
+
+
+def test_handoff_from_another_replica_continues_the_same_tokens(llm):
+    """Disaggregated in one process: a prefill-only request samples the first token, a second
+    request continues from prompt + first (prior_output_ids) and must give the tokens one
+    uninterrupted run gives, penalties included. Seen failing with the prior outputs counted
+    as prompt (the frequency/presence penalties miss the first token)."""
+    from app.engine.request import Request
+
+    engine = llm.engine
+
+    def run(request):
+        engine.add_request(request)
+        tokens = []
+        while engine.has_unfinished():
+            for delta in engine.step():
+                tokens += delta.new_token_ids
+        return tokens
+
+    pen = dict(max_tokens=12, ignore_eos=True, presence_penalty=1.0, frequency_penalty=1.0)
+    for i, p in enumerate([SamplingParams(temperature=0, **pen), SamplingParams(seed=7, **pen)]):
+        want = llm.generate([PROMPT], p)[0].token_ids
+        first = run(Request(f"pre{i}", PROMPT, p, prefill_only=True))
+        rest_params = dataclasses.replace(p, max_tokens=p.max_tokens - len(first))
+        rest = run(Request(f"dec{i}", PROMPT + first, rest_params, prior_output_ids=list(first)))
+        assert first + rest == want

@@ -9,7 +9,6 @@ a temperature below `GREEDY_EPS` samples greedily, repetition penalties are kept
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass
 
 import torch
@@ -62,14 +61,14 @@ class SamplingBatch:
 
     @classmethod
     def from_seqs(cls, seqs, vocab_size: int, device: torch.device | str = "cpu") -> SamplingBatch:
-        """seqs: Sequence-like objects (params, seed, token_ids, num_prompt_tokens); each row
-        samples the token at position len(token_ids)."""
+        """seqs: Sequence-like objects (params, seed, token_ids, num_sampling_prompt_tokens);
+        each row samples the token at position len(token_ids)."""
         return cls.build(
             [s.params for s in seqs],
             seeds=[s.seed for s in seqs],
             positions=[len(s.token_ids) for s in seqs],
-            prompts=[s.token_ids[: s.num_prompt_tokens] for s in seqs],
-            outputs=[s.token_ids[s.num_prompt_tokens :] for s in seqs],
+            prompts=[s.token_ids[: s.num_sampling_prompt_tokens] for s in seqs],
+            outputs=[s.token_ids[s.num_sampling_prompt_tokens :] for s in seqs],
             vocab_size=vocab_size,
             device=device,
         )
@@ -134,8 +133,3 @@ def _penalty_tokens(pen_rows, prompts, outputs, device) -> PenaltyTokens:
         output_rows,
         output_ids,
     )
-
-
-def random_seed() -> int:
-    """A fresh seed for a request that gives none (its output is still random per request)."""
-    return random.SystemRandom().getrandbits(63)

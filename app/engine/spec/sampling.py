@@ -21,8 +21,10 @@ def target_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> list[list[int]]
         [seq.params for seq, _ in rows],
         seeds=[seq.seed for seq, _ in rows],
         positions=[seq.num_tokens + j for seq, j in rows],
-        prompts=[seq.token_ids[: seq.num_prompt_tokens] for seq, _ in rows],
-        outputs=[seq.output_token_ids + seq.spec_tokens[:j] for seq, j in rows],
+        prompts=[seq.token_ids[: seq.num_sampling_prompt_tokens] for seq, _ in rows],
+        outputs=[
+            seq.token_ids[seq.num_sampling_prompt_tokens :] + seq.spec_tokens[:j] for seq, j in rows
+        ],
         vocab_size=logits.shape[-1],
         device=logits.device,
     )
