@@ -15,10 +15,11 @@ from hypothesis import strategies as st
 
 from app.serve.grpc_gen.slimserve.v1 import generation_pb2 as pb
 from reliability.conftest import LONG_TOKENS
-from reliability.serve.apps import prompts, served_app
+from reliability.serve.apps import offline_texts, prompts, served_app
 from reliability.serve.clients import wait_idle
 from reliability.serve.fuzz import RAW_BODIES, chat_body, completion_body, grpc_request
 from reliability.serve.fuzzing import fuzz, grpc_check, grpc_raw_check, http_check
+from reliability.serve.load import cluster_rss, overload, soak
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -28,10 +29,25 @@ ABORT_BOUND_S = 10.0
 FAST, LONG = 60, 2500
 
 
+# Small admission limits, so that overload is reachable on two cores: what Serve admits per
+# replica (running + queued) is the sustainable concurrency here.
+LIMITS = {"max_ongoing_requests": 8, "max_queued_requests": 8}
+SUSTAINABLE = 8
+LOAD_TOKENS = 16
+
+
 @pytest.fixture(scope="module")
 def app(ray_session, long_model):
-    with served_app(ray_session, long_model, APP, ("EngineServer",), mode="colocated") as a:
+    with served_app(
+        ray_session, long_model, APP, ("EngineServer",), mode="colocated", **LIMITS
+    ) as a:
         yield a
+
+
+@pytest.fixture(scope="module")
+def load_set(long_model):
+    batch = prompts(8, seed=5)
+    return batch, offline_texts(long_model, batch, LOAD_TOKENS)
 
 
 def idle(app):
@@ -112,6 +128,56 @@ def test_http_fuzz_long(app):
 @pytest.mark.long
 def test_grpc_fuzz_long(app):
     run_grpc(app, LONG)
+
+
+def check_overload(app, load_set, seconds: float) -> dict:
+    batch, wants = load_set
+    rss0 = cluster_rss()
+    got = overload(app, batch, wants, LOAD_TOKENS, 4 * SUSTAINABLE, seconds)
+    idle(app)
+    got["rss_growth_mib"] = round((cluster_rss() - rss0) / 2**20, 1)
+    print(f"overload 4x for {seconds} s: {got}")  # docs/reliability.md quotes these
+    tally = got["tally"]
+    assert tally.get("wrong", 0) == 0 and tally.get("correct", 0) > 0, got
+    return got
+
+
+def test_overload_slice(app, load_set):
+    """4x the admitted concurrency for a few seconds: admitted requests are correct, the rest
+    are refused cleanly, nothing is held afterwards."""
+    check_overload(app, load_set, 5)
+
+
+@pytest.mark.long
+def test_overload_60s(app, load_set):
+    check_overload(app, load_set, 60)
+
+
+def check_soak(app, load_set, total: int) -> dict:
+    batch, wants = load_set
+    long_prompt = prompts(1, length=380, seed=99)[0]
+    soak(app, batch[:2], wants[:2], long_prompt, LOAD_TOKENS, 8, workers=4)  # warm up
+    rss0 = cluster_rss()
+    tally = soak(app, batch, wants, long_prompt, LOAD_TOKENS, total, workers=6)
+    idle(app)
+    growth = round((cluster_rss() - rss0) / 2**20, 1)
+    print(f"soak {total}: {dict(tally)} rss +{growth} MiB")  # docs/reliability.md
+    counted = sum(v for k, v in tally.items() if not k.startswith("detail"))
+    assert tally.get("wrong", 0) == 0 and counted == total, tally
+    return {"tally": tally, "rss_growth_mib": growth}
+
+
+def test_soak_slice(app, load_set):
+    """Mixed requests (both APIs, streaming, cancelled, deadline-expired, n=2, long prompts):
+    none wrong, every block free after."""
+    check_soak(app, load_set, 40)
+
+
+@pytest.mark.long
+def test_soak_2000(app, load_set):
+    """RSS bound: the whole local cluster may grow by at most 256 MiB over 2,000 requests."""
+    got = check_soak(app, load_set, 2000)
+    assert got["rss_growth_mib"] < 256
 
 
 def test_grpc_cancel_frees_blocks(app):
