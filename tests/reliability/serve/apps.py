@@ -39,7 +39,14 @@ def served_app(ray_session, model: str, name: str, deployments: tuple[str, ...],
     """-> dict(url, stub, md, handles...) for `build_app(tiny_serve_args(model, **args))`."""
     md = (("application", name),)
     cfg = tiny_serve_args(model, engine={"dtype": "float32"}, **args)
-    with grpc_app(ray_session, cfg, name, md) as (channel, url):
+    with contextlib.ExitStack() as stack:
+        for attempt in (0, 1):
+            try:  # on a saturated machine Serve's controller may kill a proxy still starting
+                channel, url = stack.enter_context(grpc_app(ray_session, cfg, name, md))
+                break
+            except ray.exceptions.RayActorError:
+                if attempt:
+                    raise
         app = {
             "url": url,
             "md": md,
