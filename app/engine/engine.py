@@ -207,10 +207,8 @@ class Engine:
         for seq, n in out.scheduled:  # proposed tokens count once verified (settle)
             seq.num_computed_tokens += n - len(seq.spec_tokens)
             self.blocks.commit_full_blocks(seq)
-        if sampled:  # [rows, V]: grammar rows get -inf outside (grammars never speculate)
-            self.structured.mask(
-                logits, [s for s in sampled for _ in range(1 + len(s.spec_tokens))]
-            )
+        if sampled:  # [rows, V]: grammar rows (speculated ones too) get -inf outside
+            self.structured.mask(logits, sampled)
         for seq, emitted in zip(sampled, self._sample(logits, sampled)):
             delta = self._emit(seq, emitted)
             if delta is None:

@@ -152,9 +152,9 @@ class Speculator:
 
 
 def _may_speculate(seq: Sequence) -> bool:
-    # Grammar-constrained sequences do not speculate: their mask depends on every token
-    # before, so each proposal would need its own matcher state.
-    return not seq.request.prefill_only and seq.grammar is None
+    # Grammar-constrained sequences speculate too: each proposal row gets the mask of the
+    # grammar state after the proposals before it (app/engine/structured/logits.py).
+    return not seq.request.prefill_only
 
 
 def _logprob(raw_lp, row: int, token: int, k: int | None) -> TokenLogprob | None:

@@ -45,3 +45,39 @@ def mask_logits(logits: torch.Tensor, grammars: Sequence[SequenceGrammar | None]
     bitmask, rows = grammar_bitmask(grammars, logits.shape[-1])
     if bitmask is not None:
         apply_bitmask(logits, bitmask, rows)
+
+
+def speculative_bitmask(seqs: Sequence, vocab_size: int):
+    """-> (bitmask [R, ceil(V / 32)], grammar rows) where each sequence has 1 + k rows (its k
+    proposals, `seq.spec_tokens`, then the bonus row).
+
+    Row j of a constrained sequence is its grammar's mask after proposals 0..j-1: the
+    matcher accepts them tentatively and rolls them back. Rows after a proposal the grammar
+    rejects (or after one that ends it) repeat the last mask; verification rejects that
+    proposal anyway, since the target's row cannot pick a masked token.
+    """
+    num_rows = sum(1 + len(s.spec_tokens) for s in seqs)
+    bitmask = xgrammar().allocate_token_bitmask(num_rows, vocab_size)
+    rows, r = [], 0
+    for seq in seqs:
+        k = len(seq.spec_tokens)
+        if seq.grammar is not None:
+            rows += range(r, r + k + 1)
+            _fill_speculative(seq.grammar, seq.spec_tokens, bitmask, r)
+        r += k + 1
+    return bitmask, rows
+
+
+def _fill_speculative(grammar: SequenceGrammar, proposals, bitmask, first: int) -> None:
+    grammar.fill_bitmask(bitmask, first)
+    accepted = 0
+    for j, token in enumerate(proposals, start=1):
+        if grammar.terminated or not grammar.accept(token):
+            bitmask[first + j : first + len(proposals) + 1] = bitmask[first + j - 1]
+            break
+        accepted += 1
+        if grammar.terminated:
+            bitmask[first + j : first + len(proposals) + 1] = bitmask[first + j - 1]
+            break
+        grammar.fill_bitmask(bitmask, first + j)
+    grammar.rollback(accepted)

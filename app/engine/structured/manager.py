@@ -14,7 +14,7 @@ import logging
 import torch
 
 from app.engine.structured.compiler import GrammarCompiler
-from app.engine.structured.logits import mask_logits
+from app.engine.structured.logits import apply_bitmask, speculative_bitmask
 from app.engine.structured.matcher import SequenceGrammar
 from app.engine.structured.spec import StructuredOutputSpec, check_spec
 from app.tokenizer import Tokenizer
@@ -69,10 +69,12 @@ class StructuredOutputs:
             concurrent.futures.wait(futures, timeout_s, concurrent.futures.FIRST_COMPLETED)
 
     def mask(self, logits: torch.Tensor, seqs: list) -> None:
-        """logits: [S, V] for the sampled sequences, masked in place where a grammar applies."""
-        grammars = [getattr(s, "grammar", None) for s in seqs]
-        if any(g is not None for g in grammars):
-            mask_logits(logits, grammars)
+        """logits: [R, V], 1 + len(seq.spec_tokens) rows per sampled sequence in order;
+        masked in place where a grammar applies (speculated rows: logits.speculative_bitmask)."""
+        if all(s.grammar is None for s in seqs):
+            return
+        bitmask, rows = speculative_bitmask(seqs, logits.shape[-1])
+        apply_bitmask(logits, bitmask, rows)
 
     def advance(self, seq, token: int) -> bool:
         """Feeds a sampled token to the sequence's matcher; False if the grammar rejects it
