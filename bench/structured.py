@@ -4,8 +4,9 @@ compile time by schema size (cold, and a cache hit).
 
 Both modes sample (temperature 1, seeded) the same prompts for at most --gen tokens; the
 unconstrained run ignores EOS so it generates all of them. tok/s counts generated tokens
-over wall time. `mask_share` is the part of the constrained run spent filling and applying
-token bitmasks (StructuredOutputs.mask).
+over wall time; the modes alternate round by round and each reports its median round, so
+load from other processes on a shared machine hits both alike. `mask_share` is the part
+of the wall time spent filling and applying token bitmasks (StructuredOutputs.mask).
 
     python bench/structured.py [--gen 64] [--concurrency 1,8,32] [--out DIR]
 """
@@ -51,40 +52,55 @@ def schema_of_size(num_props: int) -> dict:
     return {"type": "object", "properties": props, "required": list(props)}
 
 
-def throughput(llm, concurrency: int, gen: int, spec, rounds: int) -> dict:
+def run_once(llm, prompts: list[str], gen: int, spec, seed: int) -> tuple[int, float, float]:
+    """-> (generated tokens, wall seconds, seconds spent masking) for one batch."""
     from app import SamplingParams
 
-    engine = llm.engine
-    mask_s = [0.0]
-    real_mask = engine.structured.mask
+    structured = llm.engine.structured
+    real_mask, spent = structured.mask, [0.0]
 
     def timed_mask(logits, seqs):
         t = time.perf_counter()
         real_mask(logits, seqs)
-        mask_s[0] += time.perf_counter() - t
+        spent[0] += time.perf_counter() - t
 
-    engine.structured.mask = timed_mask
-    tokens, wall = 0, 0.0
+    structured.mask = timed_mask
+    params = SamplingParams(
+        temperature=1.0, seed=seed, max_tokens=gen, ignore_eos=spec is None, structured=spec
+    )
     try:
-        for r in range(rounds + 1):  # round 0 warms up (and compiles the grammar)
-            prompts = [f"Record {r}-{i} of the people:" for i in range(concurrency)]
-            params = SamplingParams(
-                temperature=1.0, seed=r, max_tokens=gen, ignore_eos=spec is None, structured=spec
-            )
-            mask_s[0], t = 0.0, time.perf_counter()
-            outs = llm.generate(prompts, params)
-            if r:
-                wall += time.perf_counter() - t
-                tokens += sum(len(o.token_ids) for o in outs)
-                mask_total = mask_s[0]
+        t = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        wall = time.perf_counter() - t
     finally:
-        engine.structured.mask = real_mask
-    return {
-        "tok_s": tokens / wall,
-        "tokens": tokens,
-        "seconds": wall,
-        "mask_share": (mask_total / (wall / rounds)) if spec is not None else 0.0,
-    }
+        structured.mask = real_mask
+    return sum(len(o.token_ids) for o in outs), wall, spent[0]
+
+
+def throughput(llm, concurrency: int, gen: int, spec, rounds: int) -> list[dict]:
+    """Both modes, alternating round by round (a shared machine's load hits both alike);
+    one row per mode with the median tok/s over the rounds."""
+    modes = {"free text": None, "JSON schema": spec}
+    runs: dict[str, list[tuple[int, float, float]]] = {m: [] for m in modes}
+    for r in range(rounds + 1):  # round 0 warms up (and compiles the grammar)
+        prompts = [f"Record {r}-{i} of the people:" for i in range(concurrency)]
+        for mode, s in modes.items():
+            result = run_once(llm, prompts, gen, s, seed=r)
+            if r:
+                runs[mode].append(result)
+    rows = []
+    for mode, results in runs.items():
+        rows.append(
+            {
+                "concurrency": concurrency,
+                "mode": mode,
+                "tok_s": statistics.median(n / w for n, w, _ in results),
+                "tokens": sum(n for n, _, _ in results),
+                "seconds": sum(w for _, w, _ in results),
+                "mask_share": sum(m for _, _, m in results) / sum(w for _, w, _ in results),
+            }
+        )
+    return rows
 
 
 def compile_times(tokenizer, vocab: int, eos, sizes: list[int]) -> list[dict]:
@@ -123,7 +139,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--model", default=None)
     ap.add_argument("--gen", type=int, default=64)
     ap.add_argument("--concurrency", default="1,8,32")
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--sizes", default="1,4,16,64,256")
     ap.add_argument("--out", default=RESULTS)
     args = ap.parse_args(argv)
@@ -135,10 +151,11 @@ def main(argv=None) -> dict:
     spec = StructuredOutputSpec.json_schema(PERSON)
     rows = []
     for c in [int(x) for x in args.concurrency.split(",")]:
-        for name, s in (("free text", None), ("JSON schema", spec)):
-            row = {"concurrency": c, "mode": name, **throughput(llm, c, args.gen, s, args.rounds)}
+        for row in throughput(llm, c, args.gen, spec, args.rounds):
             rows.append(row)
-            print(f"{c:>3} {name:12s} {row['tok_s']:8.1f} tok/s  mask {row['mask_share']:.1%}")
+            print(
+                f"{c:>3} {row['mode']:12s} {row['tok_s']:8.1f} tok/s  mask {row['mask_share']:.1%}"
+            )
     engine = llm.engine
     sizes = [int(x) for x in args.sizes.split(",")]
     compiles = compile_times(engine.tokenizer, engine.model_config.vocab_size,
