@@ -111,7 +111,7 @@ def test_replay_rejects_a_foreign_first_token(compiler, tok):
     future = compiler.submit(spec)
     future.result()
     g = SequenceGrammar(spec, future, replay=tuple(x))
-    assert g.ready and "does not fit the grammar" in g.failed
+    assert not g.ready and "does not fit the grammar" in g.settle() and not g.ready
 
 
 def test_apply_bitmask_matches_a_torch_reference(compiler):

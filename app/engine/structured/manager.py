@@ -43,17 +43,16 @@ class StructuredOutputs:
         future = self.compiler.submit(spec)
         for seq in seqs:
             seq.grammar = SequenceGrammar(spec, future, tuple(replay))
-            if not seq.grammar.ready:
-                self._compiling.append(seq)
+            self._compiling.append(seq)  # ready once poll has settled it
 
     def poll(self) -> list[tuple[object, str]]:
         """(sequence, why) for sequences whose grammar cannot be used; forgets finished
         compiles. Such sequences never ran, so they can be ended without output."""
         failed, still = [], []
         for seq in self._compiling:
-            if not seq.grammar.ready:
+            if not seq.grammar.compiled:
                 still.append(seq)
-            elif (why := seq.grammar.failed) is not None:
+            elif (why := seq.grammar.settle()) is not None:
                 failed.append((seq, why))
         self._compiling = still
         return failed

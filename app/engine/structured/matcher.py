@@ -22,12 +22,26 @@ class SequenceGrammar:
         self._compiled = compiled
         self._replay = tuple(replay)
         self._matcher = None
+        self._usable = False
         self.num_accepted = 0  # tokens accepted since the grammar's start (replay included)
 
     @property
-    def ready(self) -> bool:
-        """The compile finished (successfully or not): the sequence may be scheduled."""
+    def compiled(self) -> bool:
+        """The compile finished, successfully or not (then `settle` says which)."""
         return self._compiled.done()
+
+    @property
+    def ready(self) -> bool:
+        """Compiled and checked usable by `settle`: the sequence may be scheduled. (A
+        compile that ends between the engine's check and the scheduler's must not let a
+        failed grammar through, so readiness is only ever set by settle.)"""
+        return self._usable
+
+    def settle(self) -> str | None:
+        """Once compiled: why the grammar cannot be used, or None (it is then ready)."""
+        why = self.failed
+        self._usable = why is None
+        return why
 
     @property
     def failed(self) -> str | None:
