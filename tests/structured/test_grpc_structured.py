@@ -1,6 +1,9 @@
 """Structured outputs and tool calls through a real grpcio client on Serve's gRPC proxy
 (colocated default model): the GenerateRequest `structured_output` oneof, tools and
-tool_choice, validated like the HTTP API (INVALID_ARGUMENT naming the problem)."""
+tool_choice, validated like the HTTP API (INVALID_ARGUMENT naming the problem).
+
+Seen failing: with grpc_structured.structured_fields returning {} (the oneof ignored) the
+bad-request cases and the choice test failed (8 tests)."""
 
 import json
 import re
