@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import torch
 
+from app.engine.request import TokenLogprob
 from app.engine.sampler import SamplingBatch, sample
 from app.engine.sequence import Sequence
 
 
-def target_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> list[list[int]]:
-    """logits: [R, V] float32, 1 + len(spec_tokens) rows per sequence -> tokens per row.
+def target_tokens(
+    logits: torch.Tensor, seqs: list[Sequence]
+) -> tuple[list[list[int]], list[list[TokenLogprob | None]]]:
+    """logits: [R, V] float32, 1 + len(spec_tokens) rows per sequence -> (tokens, logprobs)
+    per row, grouped per sequence.
 
     Row j samples position num_tokens + j with the noise keyed by (seed, that position): the
     token plain decoding would sample there (one batched call, one host sync)."""
@@ -28,9 +32,10 @@ def target_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> list[list[int]]
         vocab_size=logits.shape[-1],
         device=logits.device,
     )
-    flat = sample(logits, batch).token_ids
-    out, start = [], 0
+    result = sample(logits, batch)
+    tokens, logprobs, start = [], [], 0
     for size in sizes:
-        out.append(flat[start : start + size])
+        tokens.append(result.token_ids[start : start + size])
+        logprobs.append(result.logprobs[start : start + size])
         start += size
-    return out
+    return tokens, logprobs

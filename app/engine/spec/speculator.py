@@ -90,22 +90,18 @@ class Speculator:
 
     def verify(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[Emitted]:
         """logits: [R, V] float32, 1 + len(spec_tokens) rows per sequence, in order."""
-        target = target_tokens(logits, seqs)  # per sequence: k + 1 tokens
+        target, logprobs = target_tokens(logits, seqs)  # per sequence: k + 1 rows
         k_max = max(len(s.spec_tokens) for s in seqs)
-        width = k_max + 1
-        padded = torch.tensor([t + [0] * (width - len(t)) for t in target])
-        proposals = torch.tensor([s.spec_tokens + [0] * (k_max - len(s.spec_tokens)) for s in seqs])
+        padded = torch.tensor([t + [0] * (k_max + 1 - len(t)) for t in target])
+        proposals = torch.tensor(
+            [s.spec_tokens + [0] * (k_max - len(s.spec_tokens)) for s in seqs]
+        ).view(len(seqs), k_max)
         num = torch.tensor([len(s.spec_tokens) for s in seqs])
-        emitted, accepted = verify_point_mass(padded, proposals.view(len(seqs), k_max), num)
-        raw_lp = (
-            logits.log_softmax(-1) if any(s.params.logprobs is not None for s in seqs) else None
-        )
-        out, row = [], 0
-        for seq, tokens, a in zip(seqs, emitted, accepted):
+        emitted, accepted = verify_point_mass(padded, proposals, num)
+        out = []
+        for seq, tokens, lps, a in zip(seqs, emitted, logprobs, accepted):
             self._record(seq, a)
-            lps = [_logprob(raw_lp, row + j, t, seq.params.logprobs) for j, t in enumerate(tokens)]
-            out.append(list(zip(tokens, lps)))
-            row += 1 + len(seq.spec_tokens)
+            out.append(list(zip(tokens, lps[: len(tokens)])))  # row j's logprob is token j's
         return out
 
     def _record(self, seq: Sequence, accepted: int) -> None:
@@ -155,11 +151,3 @@ def _may_speculate(seq: Sequence) -> bool:
     # Grammar-constrained sequences speculate too: each proposal row gets the mask of the
     # grammar state after the proposals before it (app/engine/structured/logits.py).
     return not seq.request.prefill_only
-
-
-def _logprob(raw_lp, row: int, token: int, k: int | None) -> TokenLogprob | None:
-    if raw_lp is None or k is None:
-        return None
-    from app.engine.sampler import token_logprobs
-
-    return token_logprobs(raw_lp[row], token, k)
