@@ -72,6 +72,12 @@ def run(llm, prompts, gen: int) -> tuple[list[list[int]], float, float]:
     return [o.token_ids for o in outs], per_forward, tokens / wall
 
 
+def best_of(n: int, llm, prompts, gen: int):
+    """The fastest of n identical runs (the first pays warm-up; the machine is shared)."""
+    runs = [run(llm, prompts, gen) for _ in range(n)]
+    return max(runs, key=lambda r: r[2])
+
+
 def measure(model: str, gen: int, count: int, ks: list[int]) -> dict:
     from app import LLM
 
@@ -85,9 +91,11 @@ def measure(model: str, gen: int, count: int, ks: list[int]) -> dict:
         for name, prompts in loads.items():
             for llm in engines.values():  # warm-up (and the prefix cache) on every engine
                 llm.generate(prompts[:1], None)
-            want, base_tpf, base_tps = run(engines[0], prompts, gen)
+            want, base_tpf, base_tps = best_of(2, engines[0], prompts, gen)
             for k, llm in engines.items():
-                got, tpf, tps = (want, base_tpf, base_tps) if k == 0 else run(llm, prompts, gen)
+                got, tpf, tps = (
+                    (want, base_tpf, base_tps) if k == 0 else best_of(2, llm, prompts, gen)
+                )
                 assert got == want, f"speculation changed greedy output ({name}, k={k}, {kv_name})"
                 rows.append(
                     dict(kv=kv_name, workload=name, k=k, tokens_per_forward=tpf, tok_s=tps,
