@@ -39,7 +39,7 @@ def options(x):
 
 
 def capture_kv(model_path: str, text_ids: list[int]):
-    from app.models.loader import load_model
+    from app.quant.load import load_model
 
     model, _ = load_model(model_path, torch.float32, "cpu")
     seen = []

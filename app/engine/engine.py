@@ -1,4 +1,9 @@
-"""The engine: add_request / step / abort over one model in one process (no Ray)."""
+"""The engine: add_request / step / abort over one model in one process (no Ray).
+
+One step reads top to bottom (`step`): schedule -> plan (app/engine/step.py) -> run the
+model -> sample -> apply. `_apply` is the one place that changes sequences, blocks and
+outputs after a forward pass; the runner sees only the plan, never a Sequence.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,7 @@ import logging
 
 import torch
 
-from app.config import EngineConfig, ModelConfig
+from app.config import EngineConfig
 from app.engine.attention import backend_ops
 from app.engine.block_manager import BlockManager
 from app.engine.detokenizer import IncrementalDetokenizer
@@ -18,16 +23,16 @@ from app.engine.outputs import OutputProcessor
 from app.engine.request import Request, RequestDelta
 from app.engine.sampler import SamplingBatch, sample
 from app.engine.sampling_params import SamplingParams
-from app.engine.scheduler import Scheduler
+from app.engine.scheduler import Scheduler, SchedulerOutput
 from app.engine.sequence import SeqStatus, Sequence
+from app.engine.shard import budget_blocks, kv_cache_spec, load_rank_model
 from app.engine.spec.deltas import merge_deltas
 from app.engine.spec.factory import extra_block_bytes, make_speculator, uses_mtp
+from app.engine.step import execute, plan_step
 from app.engine.structured.manager import StructuredOutputs
-from app.engine.tp_driver import min_over_ranks
-from app.kv.dtypes import resolve as resolve_kv_dtype
+from app.engine.tp_driver import DriverRunner, ShardedKVCache, min_over_ranks
+from app.engine.workers import start_local_workers
 from app.kv.keys import make_salt
-from app.kv.layout import KVCacheSpec
-from app.models.loader import load_model
 from app.models.parallel import SINGLE
 from app.tokenizer import Tokenizer
 
@@ -40,8 +45,6 @@ class Engine:
         None starts the local workers when config.tensor_parallel_size > 1."""
         self.config = config
         if tp_group is None and config.tensor_parallel_size > 1:
-            from app.engine.workers import start_local_workers
-
             tp_group = start_local_workers(config)
         self.tp_group = tp_group
         self.tp_ctx = tp_group.ctx if tp_group is not None else SINGLE
@@ -55,26 +58,24 @@ class Engine:
 
     def _build(self, config: EngineConfig, progress: bool) -> None:
         spec = config.speculative_config
-        self.model, self.model_config = load_model(
-            config.model, self.dtype, self.device, self.tp_ctx, progress, mtp=uses_mtp(spec)
+        self.model, self.model_config = load_rank_model(
+            config, self.tp_ctx, self.device, self.dtype, progress, mtp=uses_mtp(spec)
         )
-        self._maybe_quantize()
         self.tokenizer = Tokenizer.from_path(config.model, self.model_config.eos_token_ids)
         self.fingerprint = model_fingerprint(config.model, self.dtype, config.weight_quant)
-        self.kv_spec = self._kv_spec(self.model_config)
+        self.kv_spec = kv_cache_spec(
+            self.model, self.model_config, config.cache, self.tp_ctx, self.dtype
+        )
         self.chunk_format = ChunkFormat(self.fingerprint, self.kv_spec, config.cache.chunk_tokens)
-        num_blocks = min_over_ranks(self._num_blocks(), self.tp_ctx, self.device)
-        self.cache = KVCache(self.kv_spec, num_blocks, self.device)
+        # A model proposer's KV (MTP layer, draft model) shares the block ids: a block costs both.
+        blocks = budget_blocks(config.cache, self.kv_spec, self.device, extra_block_bytes(self))
+        num_blocks = min_over_ranks(blocks, self.tp_ctx, self.device)
+        ops = backend_ops(config.attention_backend, self.device)
+        self._build_cache_and_runner(num_blocks, ops)
         self.blocks = BlockManager(
             self.cache.num_blocks, self.kv_spec.block_size, config.cache.enable_prefix_caching
         )
         self.scheduler = Scheduler(config.scheduler, self.blocks)
-        ops = backend_ops(config.attention_backend, self.device)
-        self.runner = ModelRunner(
-            self.model, self.cache, ops, self.model_config.head_dim, self.device
-        )
-        if self.tp_group is not None:  # rank 0 wraps both to drive the other ranks
-            self.cache, self.runner = self.tp_group.attach(self.cache, self.runner)
         eos = eos_token_ids(
             config.model, self.model_config.eos_token_ids, self.tokenizer.eos_token_ids
         )
@@ -84,37 +85,14 @@ class Engine:
         self.seqs: dict[str, list[Sequence]] = {}
         self._pending: list[RequestDelta] = []
 
-    # --- construction helpers -----------------------------------------------------
-    def _maybe_quantize(self) -> None:
-        if self.config.weight_quant is None:
-            return
-        from app.quant import apply_weight_quant  # quantization issue's module replacement
-
-        apply_weight_quant(self.model, self.model_config, self.config.weight_quant)
-
-    def _kv_spec(self, cfg: ModelConfig) -> KVCacheSpec:
-        block_size = self.config.cache.block_size
-        dtype = resolve_kv_dtype(self.config.cache.kv_cache_dtype, self.dtype)
-        if hasattr(self.model, "kv_cache_spec"):  # the model declares its cache (e.g. MLA)
-            return self.model.kv_cache_spec(block_size, dtype)
-        return KVCacheSpec(
-            num_layers=cfg.num_hidden_layers,
-            num_kv_heads=self.tp_ctx.kv_heads(cfg.num_key_value_heads)[1],  # this rank's
-            head_dim=cfg.head_dim,
-            block_size=block_size,
-            dtype=dtype,
-            total_kv_heads=cfg.num_key_value_heads,
-        )
-
-    def _num_blocks(self) -> int:
-        cache = self.config.cache
-        budget = cache.kv_cache_memory_bytes
-        if budget is None and self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * cache.gpu_memory_utilization)
-        budget = budget if budget is not None else cache.cpu_kv_cache_bytes
-        # A model proposer's KV (MTP layer, draft model) shares the block ids: a block costs both.
-        return budget // (self.kv_spec.bytes_per_block() + extra_block_bytes(self))
+    def _build_cache_and_runner(self, num_blocks: int, ops) -> None:
+        args = (self.model, ops, self.model_config.head_dim, self.device)
+        if self.tp_group is None:
+            self.cache = KVCache(self.kv_spec, num_blocks, self.device)
+            self.runner = ModelRunner(args[0], self.cache, *args[1:])
+        else:  # rank 0 of a tensor-parallel replica: both also drive the other ranks
+            self.cache = ShardedKVCache(self.kv_spec, num_blocks, self.device, self.tp_group)
+            self.runner = DriverRunner(args[0], self.cache, *args[1:], self.tp_group)
 
     @property
     def salt_base(self) -> tuple[str, str, str]:
@@ -203,14 +181,25 @@ class Engine:
                 self.structured.wait(0.05)  # idle until a grammar compiles; no busy loop
             return deltas
         starts = [seq.num_computed_tokens for seq, _ in out.scheduled]
-        logits, sampled = self.runner.execute(out.scheduled)
+        plan = plan_step(out.scheduled, self.kv_spec.block_size)
+        result = self.runner.run(plan)
+        sampled = [out.scheduled[i][0] for i in result.sampled]
+        if sampled:  # [rows, V]: grammar rows (speculated ones too) get -inf outside
+            self.structured.mask(result.logits, sampled)
+        emitted = self._sample(result.logits, sampled)
+        deltas += self._apply(out, sampled, emitted)
+        if self.speculator is not None:
+            self.speculator.after_step(out.scheduled, starts, self.runner.last_hidden)
+        return deltas
+
+    def _apply(self, out: SchedulerOutput, sampled: list[Sequence], emitted: list) -> list:
+        """A step's results: progress and full blocks, new tokens, finished sequences."""
         for seq, n in out.scheduled:  # proposed tokens count once verified (settle)
             seq.num_computed_tokens += n - len(seq.spec_tokens)
             self.blocks.commit_full_blocks(seq)
-        if sampled:  # [rows, V]: grammar rows (speculated ones too) get -inf outside
-            self.structured.mask(logits, sampled)
-        for seq, emitted in zip(sampled, self._sample(logits, sampled)):
-            delta = self._emit(seq, emitted)
+        deltas = []
+        for seq, tokens in zip(sampled, emitted):
+            delta = self._emit(seq, tokens)
             if delta is None:
                 continue
             if seq.request.prefill_only:  # hand the prompt's KV over, then stop
@@ -222,8 +211,6 @@ class Engine:
             if seq.finished:
                 self._finish(seq)
             deltas.append(delta)
-        if self.speculator is not None:
-            self.speculator.after_step(out.scheduled, starts, self.runner.last_hidden)
         return deltas
 
     def _sample(self, logits: torch.Tensor, sampled: list[Sequence]) -> list[list]:
@@ -270,7 +257,7 @@ class Engine:
         if not self.blocks.ensure_slots(seq, seq.num_tokens):
             raise RuntimeError("not enough free KV blocks to score this sequence")
         try:
-            logits, _ = self.runner.execute([(seq, seq.num_tokens)], all_rows=True)
+            logits, _ = execute(self.runner, [(seq, seq.num_tokens)], all_rows=True)
         finally:
             self.blocks.free(seq)
         return logits

@@ -1,8 +1,9 @@
 """Rank 0 of a tensor-parallel replica drives the other ranks (no Ray here).
 
 Rank 0 runs the whole engine (scheduler, block manager, sampler); every other rank holds only
-its shard of the model and of the KV cache and loops in `serve_rank`, executing the small
-messages rank 0 broadcasts: one `Step` per forward pass (the prepared batch inputs), and
+its shard of the model and of the KV cache (`RankWorker`, app/engine/shard.py) and loops in
+`serve_rank`, executing the small messages rank 0 broadcasts: one `Step` per forward pass
+(the StepPlan, plain lists), and
 `WriteKV` / `ReadKV` for KV import and export. Chunks always carry full KV heads: rank 0
 gathers the ranks' head slices on export and each rank keeps its slice on import, so the
 chunk layout does not depend on the TP size (docs/parallelism.md).
@@ -26,7 +27,8 @@ import torch
 import torch.distributed as dist
 
 from app.engine.kv_cache import KVCache
-from app.engine.model_runner import BatchInputs, ModelRunner
+from app.engine.model_runner import ModelRunner
+from app.engine.step import StepOutput, StepPlan
 from app.models.parallel import TPContext
 
 
@@ -36,35 +38,10 @@ class TPWorkerError(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class Step:
-    inputs: BatchInputs  # on the CPU, with sampled == [] (sequences stay on rank 0)
+    plan: StepPlan  # plain lists: the same on every rank's device
 
-    @classmethod
-    def make(cls, inp: BatchInputs) -> Step:
-        return cls(_moved(dataclasses.replace(inp, sampled=[]), torch.device("cpu")))
-
-    def run(self, engine) -> None:
-        engine.runner.forward(_moved(self.inputs, engine.device))
-
-
-def _moved(inp: BatchInputs, device: torch.device) -> BatchInputs:
-    """The batch's tensors on `device` (a pickled CUDA tensor would land on rank 0's GPU)."""
-    if inp.ids.device == device:
-        return inp
-    meta = dataclasses.replace(
-        inp.meta,
-        **{
-            f.name: getattr(inp.meta, f.name).to(device)
-            for f in dataclasses.fields(inp.meta)
-            if f.name != "is_decode"
-        },
-    )
-    return dataclasses.replace(
-        inp,
-        ids=inp.ids.to(device),
-        positions=inp.positions.to(device),
-        sample_rows=inp.sample_rows.to(device),
-        meta=meta,
-    )
+    def run(self, worker) -> None:
+        worker.runner.run(self.plan)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,9 +55,9 @@ class WriteKV:
         kv = kv.cpu().contiguous().view(torch.uint8)
         return cls(list(block_ids), kv, None if scales is None else scales.cpu())
 
-    def run(self, engine) -> None:
-        kv = self.kv.view(engine.cache.spec.dtype.storage)
-        write_local(engine.cache, self.block_ids, kv, self.scales, engine.tp_ctx)
+    def run(self, worker) -> None:
+        kv = self.kv.view(worker.cache.spec.dtype.storage)
+        write_local(worker.cache, self.block_ids, kv, self.scales, worker.ctx)
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,13 +65,13 @@ class ReadKV:
     block_ids: list[int]
     num_tokens: int
 
-    def run(self, engine) -> None:
-        gather_heads(engine.cache, self.block_ids, self.num_tokens, engine.tp_ctx)
+    def run(self, worker) -> None:
+        gather_heads(worker.cache, self.block_ids, self.num_tokens, worker.ctx)
 
 
 @dataclass(frozen=True, slots=True)
 class Stop:
-    def run(self, engine) -> None:  # pragma: no cover - handled by serve_rank
+    def run(self, worker) -> None:  # pragma: no cover - handled by serve_rank
         raise AssertionError
 
 
@@ -110,7 +87,7 @@ def write_local(cache: KVCache, block_ids, kv, scales, ctx: TPContext) -> None:
     heads = _rank_heads(cache, ctx)
     kv = kv[:, :, :, heads].to(cache.kv.device)
     scales = None if scales is None else scales[:, :, :, heads].to(cache.kv.device)
-    cache.write_tokens(block_ids, kv, scales)
+    KVCache.write_tokens(cache, block_ids, kv, scales)  # this shard only, never broadcast
 
 
 def _gather(local: torch.Tensor, ctx: TPContext) -> list[torch.Tensor]:
@@ -122,7 +99,7 @@ def _gather(local: torch.Tensor, ctx: TPContext) -> list[torch.Tensor]:
 
 def gather_heads(cache: KVCache, block_ids, num_tokens: int, ctx: TPContext):
     """Every rank calls it; returns full-head (kv, scales) [L, P, n, H_total, D(, )]."""
-    kv, scales = cache.read_tokens(block_ids, num_tokens)
+    kv, scales = KVCache.read_tokens(cache, block_ids, num_tokens)  # this shard only
     if cache.spec.use_mla:
         return kv, scales
     # One part per distinct head slice (replicated KV heads are taken once), in head order.
@@ -171,9 +148,6 @@ class TPDriver:
     def guard(self):
         return _Guard(self)
 
-    def attach(self, cache: KVCache, runner: ModelRunner):
-        return ShardedKVCache(cache, self), DriverRunner(runner, self)
-
     def shutdown(self) -> None:
         if self.failed is None:
             with contextlib.suppress(TPWorkerError, RuntimeError):
@@ -201,45 +175,36 @@ class _Guard:
         return False
 
 
-class DriverRunner:
-    """ModelRunner on rank 0: broadcasts each step's inputs before running it."""
+class DriverRunner(ModelRunner):
+    """Rank 0's runner: broadcasts each step's plan, then runs its own shard."""
 
-    def __init__(self, runner: ModelRunner, driver: TPDriver):
-        self.runner, self.driver = runner, driver
+    def __init__(self, model, cache: KVCache, ops, head_dim: int, device, driver: TPDriver):
+        super().__init__(model, cache, ops, head_dim, device)
+        self.driver = driver
 
-    def __getattr__(self, name):
-        return getattr(self.runner, name)
-
-    @torch.inference_mode()
-    def execute(self, batch, all_rows: bool = False):
-        inp = self.runner.prepare(batch, all_rows)
-        return self.forward(inp), inp.sampled
-
-    def forward(self, inp: BatchInputs) -> torch.Tensor:
-        self.driver.send(Step.make(inp))
+    def run(self, plan: StepPlan) -> StepOutput:
+        self.driver.send(Step(plan))
         with self.driver.guard():
-            return self.runner.forward(inp)
+            return super().run(plan)
 
 
-class ShardedKVCache:
-    """Rank 0's view of the cache: local shard for attention, full heads for chunks."""
+class ShardedKVCache(KVCache):
+    """Rank 0's cache: its shard for attention, full heads for chunks (every rank joins)."""
 
-    def __init__(self, cache: KVCache, driver: TPDriver):
-        self.local, self.driver = cache, driver
-
-    def __getattr__(self, name):
-        return getattr(self.local, name)
+    def __init__(self, spec, num_blocks: int, device, driver: TPDriver):
+        super().__init__(spec, num_blocks, device)
+        self.driver = driver
 
     def read_tokens(self, block_ids: list[int], num_tokens: int):
-        if self.local.spec.use_mla:
-            return self.local.read_tokens(block_ids, num_tokens)
+        if self.spec.use_mla:
+            return super().read_tokens(block_ids, num_tokens)
         self.driver.send(ReadKV(list(block_ids), num_tokens))
         with self.driver.guard():
-            return gather_heads(self.local, block_ids, num_tokens, self.driver.ctx)
+            return gather_heads(self, block_ids, num_tokens, self.driver.ctx)
 
     def write_tokens(self, block_ids: list[int], kv: torch.Tensor, scales) -> None:
         self.driver.send(WriteKV.make(block_ids, kv, scales))
-        write_local(self.local, block_ids, kv, scales, self.driver.ctx)
+        write_local(self, block_ids, kv, scales, self.driver.ctx)
 
 
 def min_over_ranks(n: int, ctx: TPContext, device: torch.device) -> int:
@@ -251,11 +216,11 @@ def min_over_ranks(n: int, ctx: TPContext, device: torch.device) -> int:
     return int(t.item())
 
 
-def serve_rank(engine, control_group: Any) -> None:
-    """A worker rank's loop: run what rank 0 broadcasts until Stop."""
+def serve_rank(worker, control_group: Any) -> None:
+    """A worker rank's loop (worker: a RankWorker): run what rank 0 broadcasts until Stop."""
     while True:
         box = [None]
         dist.broadcast_object_list(box, src=0, group=control_group)
         if isinstance(box[0], Stop):
             return
-        box[0].run(engine)
+        box[0].run(worker)

@@ -2,7 +2,7 @@
 
 `start_local_workers(config)` spawns the workers (torch.multiprocessing, "spawn"), joins the
 process group as rank 0 and returns the `TPDriver` the engine drives them with. Each worker
-builds the same `Engine` on its shard (`tp_group=WorkerRank(...)`) and loops in
+builds only its model and KV cache shard (`RankWorker`, app/engine/shard.py) and loops in
 `serve_rank`. gloo on CPU; NCCL on CUDA (rank r on cuda:r) plus a gloo group for messages.
 Ray Serve replicas start the same `worker_main` in Ray actors instead (app/serve/tp_*.py).
 """
@@ -14,7 +14,6 @@ import logging
 import os
 import tempfile
 import uuid
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -23,6 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from app.config import EngineConfig
+from app.engine.shard import RankWorker
 from app.engine.tp_driver import TPDriver, serve_rank
 from app.models.parallel import TPContext
 
@@ -64,31 +64,14 @@ def init_rank(config: EngineConfig, rank: int, init_method: str, device: torch.d
     return ctx, control
 
 
-@dataclass(slots=True)
-class WorkerRank:
-    """A worker's tp_group for Engine: its context; cache and runner stay local."""
-
-    ctx: TPContext
-    device: torch.device
-
-    def attach(self, cache, runner):
-        return cache, runner
-
-    def shutdown(self) -> None:
-        pass
-
-
 def worker_main(rank: int, config: EngineConfig, init_method: str, local_rank: int) -> None:
     """Entry point of a worker rank (a spawned process or a Ray actor's thread)."""
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)  # ranks share the host's cores
-    from app.engine.engine import Engine
-
     device = rank_device(config, local_rank)
     ctx, control = init_rank(config, rank, init_method, device)
     try:
-        engine = Engine(config, tp_group=WorkerRank(ctx, device))
-        serve_rank(engine, control)
+        serve_rank(RankWorker(config, ctx, device), control)
     finally:
         dist.destroy_process_group()
 
@@ -108,7 +91,7 @@ def start_local_workers(config: EngineConfig) -> TPDriver:
     init_method = f"file://{store}"
     spawn = mp.get_context(START_METHOD)
     if START_METHOD == "forkserver":
-        spawn.set_forkserver_preload(["app.engine.engine", "app.engine.workers"])
+        spawn.set_forkserver_preload(["app.engine.shard", "app.engine.workers"])
     procs = [
         spawn.Process(target=_spawned, args=(r, config, init_method), daemon=True)
         for r in range(1, size)

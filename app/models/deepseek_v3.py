@@ -38,7 +38,7 @@ class DeepseekV3ForCausalLM(MoECausalLM):
             )
         return MLAAttention(cfg, layer, tp, self.rotary)
 
-    def kv_cache_spec(self, block_size: int, dtype: KVDtype) -> KVCacheSpec:
+    def kv_cache_spec(self, block_size: int, dtype: KVDtype) -> KVCacheSpec | None:
         """One plane of [latent ; rope key] per token and layer (same on every TP rank)."""
         n = self.config.num_hidden_layers
         return KVCacheSpec(n, 1, self.kv_width, block_size, dtype, use_mla=True)

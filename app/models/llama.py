@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from app.config import ModelConfig
+from app.models.hooks import ModelHooks
 from app.models.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -112,7 +113,7 @@ class LlamaModel(DecoderStack):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(ModelHooks, nn.Module):
     # checkpoint name fragment -> (our parameter fragment, shard id)
     packed_modules_mapping = {
         "q_proj": ("qkv_proj", "q"),

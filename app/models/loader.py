@@ -5,7 +5,7 @@ from __future__ import annotations
 import glob
 import logging
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -13,11 +13,13 @@ from torch import nn
 from tqdm import tqdm
 
 from app.config import ModelConfig
+from app.models.hooks import CausalLM
 from app.models.parallel import SINGLE, TPContext
 from app.models.parallel_load import LazyTensor, materialize
 from app.models.registry import model_class
 
 log = logging.getLogger(__name__)
+PrepareQuantized = Callable[[nn.Module, dict, str, torch.dtype], Callable]
 # Buffers some checkpoints carry that our modules recompute.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -52,21 +54,21 @@ def _read_where(stream, wanted) -> Iterator[tuple[str, torch.Tensor]]:
         yield name, (materialize(t) if wanted(name) else t)
 
 
-def _route(model: nn.Module, name: str) -> tuple[str, object]:
+def _route(model: CausalLM, name: str) -> tuple[str, object]:
     """Checkpoint name -> (our parameter name, shard id) via packed_modules_mapping."""
-    for fragment, (ours, shard) in getattr(model, "packed_modules_mapping", {}).items():
+    for fragment, (ours, shard) in model.packed_modules_mapping.items():
         if f".{fragment}." in name:
             return name.replace(f".{fragment}.", f".{ours}."), shard
     return name, None
 
 
-def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+def load_weights(model: CausalLM, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     """weights: tensors or LazyTensors (each weight_loader reads only its rank's slice)."""
     params = dict(model.named_parameters())
-    skips = getattr(model, "skips_weight", None)  # e.g. experts owned by another EP rank
     loaded: set[str] = set()
     for name, tensor in weights:
-        if name.endswith(IGNORED_SUFFIXES) or (skips is not None and skips(name)):
+        # skips_weight: e.g. experts owned by another EP rank
+        if name.endswith(IGNORED_SUFFIXES) or model.skips_weight(name):
             continue
         target, shard = _route(model, name)
         if target not in params:
@@ -107,19 +109,19 @@ def load_model(
     tp: TPContext = SINGLE,
     progress: bool = False,
     mtp: bool = False,
+    prepare_quantized: PrepareQuantized | None = None,
 ) -> tuple[nn.Module, ModelConfig]:
+    """prepare_quantized(model, quantization_config, path, dtype) -> a converter of the
+    weight stream, for quantized checkpoints (app.quant.formats.prepare_quantized: passed
+    in from above, since quantization sits above the models in the layers)."""
     cfg = ModelConfig.from_path(path)
     model = build_model(cfg, dtype, device, tp, mtp)
     weights = iter_checkpoint_lazy(path, progress)
-    skips = getattr(model, "skips_weight", None)
-    if skips is not None:  # another rank's experts are never read
-        weights = ((n, t) for n, t in weights if not skips(n))
-    rename = getattr(model, "checkpoint_name", None)
-    if rename is not None:  # e.g. MTP layers: model.layers.{L + i} -> mtp.layers.{i}
-        weights = ((rename(n), t) for n, t in weights)
+    # Another rank's experts are never read; MTP layers: model.layers.{L + i} -> mtp.layers.{i}
+    weights = ((model.checkpoint_name(n), t) for n, t in weights if not model.skips_weight(n))
     if cfg.quantization_config:  # INT4 / FP8 checkpoints: app.quant swaps modules, converts
-        from app.quant.formats import prepare_quantized
-
+        if prepare_quantized is None:
+            raise ValueError(f"{path} is a quantized checkpoint; pass prepare_quantized")
         convert = prepare_quantized(model, cfg.quantization_config, path, dtype)
         # Converted modules (packed INT4, FP8) are read whole, one module at a time, then
         # narrowed by the weight loaders; every other tensor stays a lazy slice.

@@ -27,6 +27,7 @@ from torch import nn
 
 import kernels
 from app.config import ModelConfig
+from app.models.hooks import ModelHooks
 from app.models.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -225,7 +226,7 @@ class MoEModel(DecoderStack):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-class MoECausalLM(nn.Module):
+class MoECausalLM(ModelHooks, nn.Module):
     """Base of the MoE families: subclasses give `make_attention(cfg, layer, tp)`.
 
     Multi-token-prediction layers some checkpoints carry (`model.layers.{L}`, L >=

@@ -108,8 +108,8 @@ def quantize_checkpoint(
 
 
 def _gptq_table(src, group_size, symmetric, act_order, calib, n, seq_len, dtype, device, progress):
-    from app.models.loader import load_model
     from app.quant.calibrate import calibration_sequences, gptq_model
+    from app.quant.load import load_model
     from app.tokenizer import Tokenizer
 
     # BF16 on GPU is enough for activations: Hessians and GPTQ itself run in float32.

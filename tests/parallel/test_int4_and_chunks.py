@@ -12,8 +12,8 @@ from app.engine.async_engine import AsyncEngine
 from app.engine.request import Request
 from app.engine.sampling_params import SamplingParams
 from app.engine.tp_driver import TPWorkerError
-from app.models.loader import load_model
 from app.models.parallel import TPContext
+from app.quant.load import load_model
 from tests.parallel.helpers import compare, make_llm
 
 PROMPT = [3 + (i * 7) % 300 for i in range(75)]  # chunks of 32, 32 and 11 tokens

@@ -6,9 +6,10 @@ import torch
 from safetensors import safe_open
 
 from app.models import loader
-from app.models.loader import load_model, safetensors_files
+from app.models.loader import safetensors_files
 from app.models.parallel import TPContext
 from app.models.parallel_load import LazyTensor
+from app.quant.load import load_model
 
 
 class Recorder:

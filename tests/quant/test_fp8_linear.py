@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from app import LLM
-from app.models.loader import load_model
 from app.models.parallel import TPContext
 from app.quant.fp8_linear import Fp8Linear
 from app.quant.int4_linear import Int4Linear
+from app.quant.load import load_model
 from quant.builders import hf_logits, make_fp8_block
 
 IDS = list(range(10, 47))

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from app import LLM, SamplingParams
 from app.engine.spec.speculator import Speculator
-from app.models.loader import load_model
+from app.quant.load import load_model
 from tests.spec.mtp_checkpoints import make_mtp_checkpoint
 
 PROMPTS = [[5, 17, 42, 99, 3], list(range(10, 47)), [7, 8, 9, 7, 8, 9, 7, 8]]

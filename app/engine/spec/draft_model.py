@@ -23,11 +23,12 @@ from app.engine.block_manager import BlockManager
 from app.engine.model_runner import ModelRunner
 from app.engine.sequence import Sequence
 from app.engine.spec.mtp import Span
+from app.engine.step import execute
 
 
 @dataclass(slots=True)
 class _View:
-    """What ModelRunner.prepare reads of a sequence, for the draft's own forward."""
+    """What plan_step (app/engine/step.py) reads of a sequence, for the draft's own forward."""
 
     token_ids: list[int]
     num_computed_tokens: int
@@ -59,7 +60,7 @@ class DraftModelProposer:
                 order.append(seq)
         if not batch:
             return {}
-        logits, sampled = self.runner.execute(batch)  # rows for views that reach their end
+        logits, sampled = execute(self.runner, batch)  # rows for views that reach their end
         views = {id(v): seq for (v, _), seq in zip(batch, order)}
         seqs = [views[id(v)] for v in sampled if views[id(v)].seq_id in wanted]
         rows = [i for i, v in enumerate(sampled) if views[id(v)].seq_id in wanted]
@@ -72,7 +73,7 @@ class DraftModelProposer:
                 (_View(s.token_ids + d, s.num_tokens - 1 + j, s.block_table), 1)
                 for s, d in zip(seqs, drafts)
             ]
-            tokens = self.runner.execute(step)[0].argmax(-1).tolist()
+            tokens = execute(self.runner, step)[0].argmax(-1).tolist()
             for d, t in zip(drafts, tokens):
                 d.append(t)
         return {s.seq_id: d for s, d in zip(seqs, drafts)}

@@ -69,7 +69,7 @@ def _mtp_drafter(engine, ops):
 def _draft_model(engine, ops):
     from app.engine.model_runner import ModelRunner
     from app.engine.spec.draft_model import DraftModelProposer
-    from app.models.loader import load_model
+    from app.quant.load import load_model
 
     path = engine.config.speculative_config.model
     model, cfg = load_model(path, engine.dtype, engine.device)
