@@ -51,21 +51,21 @@ def run(llm, prompts, gen: int) -> tuple[list[list[int]], float, float]:
 
     runner = llm.engine.runner
     forwards = 0
-    execute = runner.execute
+    run_plan = runner.run
 
-    def counting(batch, *a, **kw):
+    def counting(plan):
         nonlocal forwards
-        forwards += len(batch)  # one forward pass of each scheduled sequence
-        return execute(batch, *a, **kw)
+        forwards += len(plan.seq_lens)  # one forward pass of each scheduled sequence
+        return run_plan(plan)
 
-    runner.execute = counting
+    runner.run = counting
     params = SamplingParams(temperature=0, max_tokens=gen, ignore_eos=True)
     try:
         t = time.perf_counter()
         outs = llm.generate(prompts, params)
         wall = time.perf_counter() - t
     finally:
-        runner.execute = execute
+        runner.run = run_plan
     tokens = sum(len(o.token_ids) for o in outs)
     # the prefill forward of each prompt made its first token: count decode forwards only
     per_forward = (tokens - len(prompts)) / max(1, forwards - len(prompts))
