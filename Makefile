@@ -17,6 +17,7 @@ venv: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
 
 test: lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=20 -m "not long"

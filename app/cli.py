@@ -15,7 +15,7 @@ COMMANDS = {
     "generate": "app.engine.generate_cli",
     "serve": "app.serve.cli",
     "quantize": "app.quant.quantize_cli",
-    "eval": "app.quant.eval_cli",
+    "eval": "app.evaluation.eval_cli",
 }
 
 

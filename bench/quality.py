@@ -28,7 +28,7 @@ def default_text(model: str) -> str:
 
 
 def main() -> None:
-    from app.quant.evaluate import MATRIX, Evaluator, QuantConfig, format_table
+    from app.evaluation.evaluate import MATRIX, Evaluator, QuantConfig, format_table
     from app.quant.quantize_cli import quantize_checkpoint
     from app.tokenizer import Tokenizer
 

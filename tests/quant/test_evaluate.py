@@ -5,7 +5,7 @@ import json
 import pytest
 
 from app.cli import main
-from app.quant.evaluate import Evaluator, QuantConfig, windows
+from app.evaluation.evaluate import Evaluator, QuantConfig, windows
 
 IDS = [(7 * i) % 300 + 3 for i in range(96)]
 

@@ -1,12 +1,12 @@
 """`slimserve eval`: perplexity, KL, top-1 and greedy agreement of a quantized configuration
-against the unquantized run of the same model (see app/quant/evaluate.py)."""
+against the unquantized run of the same model (see app/evaluation/evaluate.py)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 
-from app.quant.evaluate import MATRIX, Evaluator, QuantConfig, format_table
+from app.evaluation.evaluate import MATRIX, Evaluator, QuantConfig, format_table
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
