@@ -26,7 +26,7 @@ from app.quant.fp8 import Fp8Format
 from app.quant.fp8_linear import Fp8Linear, block_for
 from app.quant.int4 import Int4Weight
 from app.quant.int4_linear import Int4Linear
-from app.quant.schemes import Int4Scheme, parse_quantization_config
+from app.quant.schemes import Int4Scheme, QuantPlan, parse_quantization_config
 
 log = logging.getLogger(__name__)
 Stream = Iterable[tuple[str, torch.Tensor]]
@@ -172,7 +172,7 @@ def prepare_quantized(
     are then dequantized to dense tensors)."""
     plan = parse_quantization_config(quantization_config)
     shapes = checkpoint_shapes(path)
-    fmt = plan.make_format(dtype)
+    fmt = make_format(plan, dtype)
     names = set(shapes)
     prefixes = sorted({n.rpartition(".")[0] for n in names if n.endswith("." + fmt.marker)})
     skips = getattr(model, "skips_weight", None)  # experts owned by another EP rank
@@ -202,3 +202,21 @@ def _has_act_order(parts: set[str], plan) -> bool:
     if "g_idx" in parts:
         return bool(plan.act_order)
     return "weight_g_idx" in parts
+
+
+def make_format(plan: QuantPlan, dtype=None):
+    """The checkpoint format a parsed quantization_config names (INT4, FP8 or dense)."""
+    if plan.fmt == "pack-quantized":
+        parts = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point")
+        return Int4Format("compressed-tensors", (*parts, "weight_g_idx"), "weight_packed")
+    if plan.fmt == "gptq":
+        parts = ("qweight", "qzeros", "scales", "g_idx")
+        return Int4Format("gptq", parts, "qweight", plan.zeros_offset)
+    if plan.fmt == "awq":
+        return Int4Format("awq", ("qweight", "qzeros", "scales"), "qweight")
+    if plan.fmt == "fp8-block":
+        return Fp8Format("weight_scale_inv", plan.block_size, dtype)
+    if plan.fmt == "float-quantized":
+        return Fp8Format("weight_scale", plan.block_size, dtype)
+    parts = ("weight", "weight_scale", "weight_zero_point")
+    return DenseFormat(plan.fmt, parts, "weight_scale", None, dtype)

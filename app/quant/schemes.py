@@ -37,25 +37,6 @@ class QuantPlan:
     def describe(self) -> str:
         return f"quant_method={self.method!r} format={self.fmt!r}"
 
-    def make_format(self, dtype=None):
-        from app.quant.formats import DenseFormat, Int4Format
-        from app.quant.fp8 import Fp8Format
-
-        if self.fmt == "pack-quantized":
-            parts = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point")
-            return Int4Format("compressed-tensors", (*parts, "weight_g_idx"), "weight_packed")
-        if self.fmt == "gptq":
-            parts = ("qweight", "qzeros", "scales", "g_idx")
-            return Int4Format("gptq", parts, "qweight", self.zeros_offset)
-        if self.fmt == "awq":
-            return Int4Format("awq", ("qweight", "qzeros", "scales"), "qweight")
-        if self.fmt == "fp8-block":
-            return Fp8Format("weight_scale_inv", self.block_size, dtype)
-        if self.fmt == "float-quantized":
-            return Fp8Format("weight_scale", self.block_size, dtype)
-        parts = ("weight", "weight_scale", "weight_zero_point")
-        return DenseFormat(self.fmt, parts, "weight_scale", None, dtype)
-
     def scheme_for(self, prefix: str, shapes: dict[str, tuple[int, ...]], marker: str):
         """The INT4 scheme of one checkpoint module, checked against its tensor shapes."""
         sym, group = self.symmetric, self.group_size
