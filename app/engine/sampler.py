@@ -53,10 +53,17 @@ def sample(
     logits: torch.Tensor, batch: SamplingBatch, allowed_mask: torch.Tensor | None = None
 ) -> SampleResult:
     """logits: [B, V] (not modified) -> one token per row."""
-    x = _processed(logits, batch, allowed_mask)  # [B, V] float32
-    tokens = x.argmax(-1)  # [B]: the greedy rows' answer
-    if not batch.all_greedy:
-        _sample_rows(x, batch, tokens)
+    x = _processed(logits, batch, allowed_mask)  # [B, V] float32, read only
+    if batch.all_greedy:
+        tokens = x.argmax(-1)
+    else:
+        tokens = torch.empty(batch.size, dtype=torch.int64, device=x.device)
+        if len(batch.greedy_rows):
+            tokens[batch.greedy_rows] = _rows(x, batch.greedy_rows).argmax(-1)
+        if len(batch.plain_rows):
+            tokens[batch.plain_rows] = _sample_plain(x, batch, batch.plain_rows)
+        if len(batch.filter_rows):
+            tokens[batch.filter_rows] = _sample_filtered(x, batch, batch.filter_rows)
     return _finish(logits, tokens, batch)
 
 
@@ -69,7 +76,7 @@ def filtered_probs(
     if batch.all_greedy:
         return probs
     rows = batch.sampled_rows
-    logp = _scaled_logp(x[rows], batch, rows)
+    logp = (_rows(x, rows) / batch.temperature[rows, None]).log_softmax(-1)
     v, ids = candidates(logp, logp.shape[-1])
     keep = keep_mask(v, _filters(batch, rows))
     kept = torch.where(keep, v, float("-inf")).softmax(-1)
@@ -78,6 +85,10 @@ def filtered_probs(
 
 
 def _processed(logits, batch, allowed_mask) -> torch.Tensor:
+    """Penalties and the allowed mask applied to a copy; the logits themselves (never written)
+    when there is nothing to apply."""
+    if batch.penalties is None and allowed_mask is None and logits.dtype == torch.float32:
+        return logits
     x = logits.to(torch.float32, copy=True)
     apply_penalties(x, batch)
     if allowed_mask is not None:
@@ -86,41 +97,57 @@ def _processed(logits, batch, allowed_mask) -> torch.Tensor:
     return x
 
 
+def _rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """x[rows] without the copy when rows (sorted, distinct) are all of x's rows."""
+    return x if len(rows) == x.shape[0] else x[rows]
+
+
 def _filters(batch: SamplingBatch, rows: torch.Tensor) -> RowFilters:
     return RowFilters(batch.top_k[rows], batch.top_p[rows], batch.min_p[rows])
 
 
-def _scaled_logp(x: torch.Tensor, batch: SamplingBatch, rows: torch.Tensor) -> torch.Tensor:
-    """x: [R, V] -> log-softmax(x / T) (in place)."""
-    x /= batch.temperature[rows, None]
-    return x.log_softmax(-1)
-
-
-def _sample_rows(x: torch.Tensor, batch: SamplingBatch, tokens: torch.Tensor) -> None:
-    """x: [B, V] processed logits -> writes the non-greedy rows' tokens into tokens [B]."""
+def _sample_plain(x: torch.Tensor, batch: SamplingBatch, rows: torch.Tensor) -> torch.Tensor:
+    """Rows without filters: argmax of x / T + G = argmax of x + T * G over the vocabulary."""
     vocab = x.shape[-1]
-    rows = batch.plain_rows  # Gumbel-max over the whole vocabulary: no softmax needed
-    if len(rows):
-        scaled = x[rows] / batch.temperature[rows, None]  # [Rp, V]
-        ids = torch.arange(vocab, device=x.device).expand_as(scaled)
-        keys = row_keys(batch.seeds[rows], batch.positions[rows])
-        tokens[rows] = (scaled + gumbel(keys, ids)).argmax(-1)
-    rows = batch.filter_rows
-    if not len(rows):
-        return
+    ids = torch.arange(vocab, device=x.device).expand(len(rows), vocab)
+    noise = gumbel(row_keys(batch.seeds[rows], batch.positions[rows]), ids)  # [Rp, V]
+    return noise.mul_(batch.temperature[rows, None]).add_(_rows(x, rows)).argmax(-1)
+
+
+def _stages(vocab: int, device: torch.device) -> list[int]:
+    """Candidate counts to try: on CPU a few top-k sizes before a full sort (see filters)."""
+    if device.type == "cuda":
+        return [vocab]
+    return sorted({min(k, vocab) for k in (*CPU_CANDIDATES, vocab)})
+
+
+def _sample_filtered(x: torch.Tensor, batch: SamplingBatch, rows: torch.Tensor) -> torch.Tensor:
+    """Rows with top-k/top-p/min-p -> [Rf] tokens, from the fewest candidates that provably
+    hold each row's kept set."""
+    vocab = x.shape[-1]
     keys = row_keys(batch.seeds[rows], batch.positions[rows])  # [Rf]
-    logp = _scaled_logp(x[rows], batch, rows)  # [Rf, V]
+    scaled = _rows(x, rows) / batch.temperature[rows, None]  # [Rf, V]
+    lse = scaled.logsumexp(-1, keepdim=True)  # [Rf, 1]: log p = scaled - lse
     f = _filters(batch, rows)
-    k = vocab if x.device.type == "cuda" else min(vocab, CPU_CANDIDATES)
-    v, ids = candidates(logp, k)
-    picked = _gumbel_max(v, ids, keep_mask(v, f), keys)  # [Rf]
-    if k < vocab:  # CPU: redo the rows whose kept set may reach past the candidates
-        redo = (~covered(v, f, vocab)).nonzero()[:, 0]
-        if len(redo):
-            fr = RowFilters(f.top_k[redo], f.top_p[redo], f.min_p[redo])
-            v, ids = candidates(logp[redo], vocab)
-            picked[redo] = _gumbel_max(v, ids, keep_mask(v, fr), keys[redo])
-    tokens[rows] = picked
+    picked = torch.empty(len(rows), dtype=torch.int64, device=x.device)
+    todo = None  # None: every row; else the indices still to do
+    for k in _stages(vocab, x.device):
+        sub = scaled if todo is None else scaled[todo]
+        v, ids = candidates(sub, k)
+        v = v - (lse if todo is None else lse[todo])
+        ft = f if todo is None else RowFilters(f.top_k[todo], f.top_p[todo], f.min_p[todo])
+        got = _gumbel_max(v, ids, keep_mask(v, ft), keys if todo is None else keys[todo])
+        if todo is None:
+            picked = got
+        else:
+            picked[todo] = got
+        if k >= vocab:
+            break
+        left = (~covered(v, ft, vocab)).nonzero()[:, 0]  # a host sync, CPU only
+        if not len(left):
+            break
+        todo = left if todo is None else todo[left]
+    return picked
 
 
 def _gumbel_max(v, ids, keep, keys) -> torch.Tensor:

@@ -157,9 +157,9 @@ def test_cpu_candidates_give_the_whole_vocabulary_answer(monkeypatch):
         SP(temperature=1.0, top_k=2000),
     ] * (n // 4)
     batch = _batch(params, logits, seeds=list(range(n)), positions=list(range(n)))
-    monkeypatch.setattr(sampler_mod, "CPU_CANDIDATES", 64)
+    monkeypatch.setattr(sampler_mod, "CPU_CANDIDATES", (64, 512))
     short = sample(logits, batch).token_ids
-    monkeypatch.setattr(sampler_mod, "CPU_CANDIDATES", vocab)
+    monkeypatch.setattr(sampler_mod, "CPU_CANDIDATES", (vocab,))
     assert sample(logits, batch).token_ids == short
 
 

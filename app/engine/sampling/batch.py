@@ -47,6 +47,7 @@ class SamplingBatch:
     positions: torch.Tensor  # [B] int64: the position of the token being sampled
     logprobs: list[int | None]  # per row: top-k alternatives wanted (None = no logprobs)
     penalties: PenaltyTokens | None  # None when no row has a penalty
+    greedy_rows: torch.Tensor  # [G] int64
     sampled_rows: torch.Tensor  # [R] int64: the rows that are not greedy
     filter_rows: torch.Tensor  # [Rf] int64: sampled rows with top-k, top-p or min-p
     plain_rows: torch.Tensor  # [Rp] int64: sampled rows drawing from the whole vocabulary
@@ -109,6 +110,7 @@ class SamplingBatch:
             positions=t(list(positions), torch.int64),
             logprobs=[p.logprobs for p in params],
             penalties=_penalty_tokens(pen_rows, prompts, outputs, device) if pen_rows else None,
+            greedy_rows=t([i for i, g in enumerate(greedy) if g], torch.int64),
             sampled_rows=t(sampled, torch.int64),
             filter_rows=t([i for i in sampled if filtered[i]], torch.int64),
             plain_rows=t([i for i in sampled if not filtered[i]], torch.int64),

@@ -38,12 +38,26 @@ def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
     return (x >> s) & ((1 << (64 - s)) - 1)
 
 
+def _xor_shr_(z: torch.Tensor, tmp: torch.Tensor, s: int) -> torch.Tensor:
+    """z ^= z >>> s in place (tmp: a scratch tensor of z's shape)."""
+    torch.bitwise_right_shift(z, s, out=tmp)
+    tmp &= (1 << (64 - s)) - 1
+    return z.bitwise_xor_(tmp)
+
+
+def mix64_(z: torch.Tensor) -> torch.Tensor:
+    """splitmix64 finalizer over int64 bits, in place (over [B, V] a copy per step is
+    ~300 MB: the hash reuses two buffers)."""
+    tmp = torch.empty_like(z)
+    z += GOLDEN
+    _xor_shr_(z, tmp, 30).mul_(_M1)
+    _xor_shr_(z, tmp, 27).mul_(_M2)
+    return _xor_shr_(z, tmp, 31)
+
+
 def mix64(x: torch.Tensor) -> torch.Tensor:
     """splitmix64 finalizer over int64 bits (any shape)."""
-    z = x + GOLDEN
-    z = (z ^ _shr(z, 30)) * _M1
-    z = (z ^ _shr(z, 27)) * _M2
-    return z ^ _shr(z, 31)
+    return mix64_(x.clone())
 
 
 def seed_to_int64(seed: int) -> int:
@@ -63,11 +77,15 @@ def uniform(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     23 random bits: (bits + 0.5) / 2**23 is exact in float32 (24-bit significand) and never
     0 or 1, so log(-log(u)) is finite.
     """
-    h = mix64(keys[:, None] + token_ids * _TOKEN_STRIDE)
-    bits = _shr(h, 41)  # the top 23 bits, in [0, 2**23)
-    return (bits.to(torch.float32) + 0.5) * (1.0 / (1 << 23))
+    h = token_ids * _TOKEN_STRIDE
+    h += keys[:, None]
+    mix64_(h)
+    h >>= 41
+    h &= (1 << 23) - 1  # the top 23 bits, in [0, 2**23)
+    u = h.to(torch.float32)
+    return u.add_(0.5).mul_(1.0 / (1 << 23))
 
 
 def gumbel(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     """[B, K] float32 standard Gumbel noise: -log(-log(u)), finite (|g| < 17)."""
-    return -torch.log(-torch.log(uniform(keys, token_ids)))
+    return uniform(keys, token_ids).log_().neg_().log_().neg_()
