@@ -67,17 +67,26 @@ def make_tokenizer(out: str, vocab_size: int) -> None:
 
 
 def make_checkpoint(family: str, out: str, seed: int = 0, **overrides) -> str:
+    config_name, model_name, extra = FAMILIES[family]
+    return save_random_model(config_name, model_name, {**COMMON, **extra, **overrides}, out, seed)
+
+
+def save_random_model(config_name: str, model_name: str, kwargs: dict, out: str, seed: int) -> str:
+    """A randomly initialised transformers model + a tiny tokenizer, saved to out (the one
+    checkpoint builder the dense, MoE and MTP test checkpoints share)."""
     import transformers
 
-    config_name, model_name, extra = FAMILIES[family]
-    config = getattr(transformers, config_name)(**{**COMMON, **extra, **overrides})
+    config = getattr(transformers, config_name)(**kwargs)
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(config).eval()
-    # Random init leaves tiny weights; widen them so logits have real spread.
+    # Random init leaves tiny weights; widen them so logits and routing have real spread.
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() >= 2:
                 p.normal_(0, 0.08)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.05)
     model.save_pretrained(out)
     make_tokenizer(out, config.vocab_size)
     return out

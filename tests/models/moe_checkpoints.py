@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import transformers
 
-from tiny_models import make_tokenizer
+from tiny_models import save_random_model
 
 VOCAB = 320
 PROMPTS = [
@@ -75,19 +75,7 @@ FAMILIES = {
 
 def make_moe_checkpoint(family: str, out: str, seed: int = 0, **overrides) -> str:
     config_name, model_name, extra = FAMILIES[family]
-    config = getattr(transformers, config_name)(**{**MOE, **extra, **overrides})
-    torch.manual_seed(seed)
-    model = getattr(transformers, model_name)(config).eval()
-    with torch.no_grad():  # widen the random init so logits and routing have real spread
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.08)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.normal_(0, 0.05)
-    model.save_pretrained(out)
-    make_tokenizer(out, VOCAB)
-    return out
+    return save_random_model(config_name, model_name, {**MOE, **extra, **overrides}, out, seed)
 
 
 def hf_model(path: str):
