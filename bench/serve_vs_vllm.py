@@ -204,7 +204,33 @@ def publish(results: dict, model_path: str, args) -> dict:
     bar_plot(
         "serve_vs_vllm", "Served output tok/s by concurrency", series, "tokens/s", out_dir=args.out
     )
+    print(markdown(result))
     return result
+
+
+def markdown(result: dict) -> str:
+    """The docs/performance.md table of a result: per level, each server's median run."""
+    t = result["summary"]
+    names = [n for n in ("slimserve-disaggregated", "slimserve-colocated", "vllm") if n in t]
+    head = " | ".join(f"{n} tok/s, TTFT p50 / p99, ITL p50 (ms)" for n in names)
+    lines = [f"| streams | {head} |", "|---:|" + "---:|" * len(names)]
+    for c in t[names[0]]:
+        cells = []
+        for n in names:
+            v = t[n][c]
+            cells.append(
+                f"{v['output_tok_s']:,.0f}, {v['ttft_p50_s'] * 1e3:.0f} / "
+                f"{v['ttft_p99_s'] * 1e3:.0f}, {v['itl_p50_s'] * 1e3:.1f}"
+            )
+        lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    cold = result.get("cold", {})
+    for n, v in cold.items():
+        warm = [x for x in v["warm_ttft_s"] if x is not None]
+        lines.append(
+            f"\n{n}: first request after start TTFT {v['first_ttft_s'] * 1e3:.0f} ms, "
+            f"then {', '.join(f'{x * 1e3:.0f}' for x in warm)} ms"
+        )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

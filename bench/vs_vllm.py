@@ -191,7 +191,27 @@ def main(argv=None) -> dict:
     write_json("vs_vllm", result, out_dir=args.out)
     series = {s.name: {k: r[f"{s.name}_tok_s"] for k, r in rows.items()} for s in sides}
     bar_plot("vs_vllm", "Offline tokens/s (CPU, 1 thread)", series, "tokens/s", out_dir=args.out)
+    print(markdown(result))
     return result
+
+
+def markdown(result: dict) -> str:
+    """The docs/performance.md table of a result (also: python -c on a saved JSON)."""
+    lines = [
+        "| prompts | sampling | slimserve tok/s | vLLM tok/s | slimserve / vLLM "
+        "| cores used (slimserve / vLLM) |",
+        "|---:|---|---:|---:|---:|---:|",
+    ]
+    for key, row in result["results"].items():
+        batch, sampling = key.split(" ", 1)
+        if "vllm_tok_s" not in row:
+            continue
+        cores = [median([r["cores"][n] for r in row["runs"][n]]) for n in ("slimserve", "vllm")]
+        lines.append(
+            f"| {batch} | {sampling} | {row['slimserve_tok_s']:,.0f} | {row['vllm_tok_s']:,.0f} "
+            f"| {row['ratio']:.2f}x | {cores[0]:.2f} / {cores[1]:.2f} |"
+        )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
