@@ -22,6 +22,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 STORE = "slimserve-kvstore-metrics-test"
 _SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][\w:]*)(?:\{(?P<labels>.*)\})? (?P<value>\S+)$")
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+NGRAM = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1}
 
 
 def scrape(port: int) -> list[tuple[str, dict, float]]:
@@ -85,10 +86,15 @@ def corrupt_first_chunk(prompt: list[int]) -> None:
 
 
 def test_metrics_endpoint_shows_every_metric_with_sane_values(ray_session, checkpoint_factory):
+    """Every metric in SPECS must be exported, so the app speculates (n-gram): the
+    spec_decode_* counters exist only on replicas that speculate (docs/operations.md), as in
+    vLLM, and Ray cannot record a counter at 0. Seen failing: with speculation off here, the
+    three spec_decode_* counters were reported missing after 120 s (CI); with ReplicaMetrics
+    skipping spec_decode_num_drafts, "not exported after 120s: [..._num_drafts_total]"."""
     model = checkpoint_factory("llama")
     # Room for 8 blocks: one 100-token prompt fits, three growing sequences do not (preemption).
     budget = 8 * kv_block_bytes(model)
-    engine = {"dtype": "float32", "kv_cache_memory_bytes": budget}
+    engine = {"dtype": "float32", "kv_cache_memory_bytes": budget, "speculative_config": NGRAM}
     args = tiny_serve_args(model, engine=engine, store_name=STORE)
     usage = {"prompt_tokens": 0, "completion_tokens": 0, "choices": 0}
 
@@ -167,6 +173,7 @@ def check(samples, usage) -> None:
     assert total(samples, moved, direction="fetch") > 0
     assert total(samples, "ray_slimserve_kv_integrity_failures_total", reason="integrity") >= 1
     assert total(samples, "ray_slimserve_preemptions_total", role="decode") >= 1
+    check_speculation(samples, gen)
     # Histogram buckets are cumulative (summed over series per bound first).
     expected = {"time_to_first_token_seconds": n, "inter_token_latency_seconds": gen - n}
     for name, count in expected.items():
@@ -176,3 +183,17 @@ def check(samples, usage) -> None:
                 per_bound[float(lab["le"])] = per_bound.get(float(lab["le"]), 0.0) + v
         counts = [per_bound[le] for le in sorted(per_bound)]
         assert counts == sorted(counts) and counts[-1] == count, name
+
+
+def check_speculation(samples, generated: float) -> None:
+    """The decode replica speculated (its repetitive greedy continuations get proposals
+    accepted); the prefill replica's prefill-only requests never do."""
+    spec = "ray_slimserve_spec_decode_num_"
+    drafts = total(samples, spec + "drafts_total", role="decode")
+    proposed = total(samples, spec + "draft_tokens_total", role="decode")
+    accepted = total(samples, spec + "accepted_tokens_total", role="decode")
+    k = NGRAM["num_speculative_tokens"]
+    assert 0 < drafts <= proposed <= k * drafts
+    assert 0 < accepted <= proposed and accepted < generated
+    for name in ("drafts", "draft_tokens", "accepted_tokens"):
+        assert total(samples, f"{spec}{name}_total", role="prefill") == 0, name
