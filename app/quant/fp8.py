@@ -81,12 +81,15 @@ class Fp8Format:
         self.blocks: dict[str, tuple[int, int]] = {}  # prefix -> checkpoint block, kept FP8
 
     def checkpoint_block(self, shape: tuple[int, int], scale_shape: tuple[int, ...]):
-        """The checkpoint's (bn, bk) for a weight of `shape` and its scale's shape."""
+        """The checkpoint's (bn, bk) for a weight of `shape` and its scale's shape; a
+        per-tensor or per-channel scale is (1, K) (`scale_rows` expands it to rows)."""
         n, k = shape
-        if len(scale_shape) < 2 or scale_shape[-1] == 1:  # per channel / per tensor
-            return (1 if len(scale_shape) and scale_shape[0] == n else n, k)
         if self.default_block is not None:
-            return tuple(self.default_block)
+            bn, bk = self.default_block
+            if tuple(scale_shape) == (-(-n // bn), -(-k // bk)):
+                return (int(bn), int(bk))
+        if len(scale_shape) < 2 or scale_shape[-1] == 1:
+            return (1, k)
         rn, rk = scale_shape
         return (-(-n // rn), -(-k // rk))
 

@@ -149,8 +149,31 @@ def _twin_weight(codes, scales, zeros, g_idx) -> torch.Tensor:
     return ((codes.float() - zeros[gi].float()) * scales[gi]).T.contiguous()  # [N, K]
 
 
-def make_gptq(src: str, out: str, twin: str, group_size: int, desc_act: bool, seed: int = 0):
-    """AutoGPTQ v1 layout: qweight [K/8, N] packed along K, qzeros stored as z - 1."""
+def _sym_groups(w: torch.Tensor, g_idx: np.ndarray, ngroups: int):
+    """Independent symmetric 4-bit quantizer as AutoGPTQ's `sym=True`: per (row, group)
+    xmax = max|w|, scale = 2 * xmax / 15, zero = 8, codes = clamp(round(w / s) + 8, 0, 15)."""
+    n, k = w.shape
+    scales = torch.zeros(ngroups, n)
+    codes = torch.zeros(k, n, dtype=torch.int64)
+    for grp in range(ngroups):
+        cols = np.nonzero(g_idx == grp)[0]
+        s = w[:, cols].abs().max(1).values.clamp_min(1e-8) * 2 / 15
+        codes[cols] = torch.clamp(torch.round(w[:, cols] / s[:, None]) + 8, 0, 15).long().T
+        scales[grp] = s
+    return codes, scales, torch.full((ngroups, n), 8, dtype=torch.int64)
+
+
+def make_gptq(
+    src: str,
+    out: str,
+    twin: str,
+    group_size: int,
+    desc_act: bool,
+    seed: int = 0,
+    symmetric: bool = False,
+):
+    """AutoGPTQ v1 layout: qweight [K/8, N] packed along K, qzeros stored as z - 1 (7 for
+    every group when `symmetric`, as AutoGPTQ writes sym=True checkpoints)."""
     state = load_file(os.path.join(src, "model.safetensors"))
     rng = np.random.default_rng(seed)
     tensors, dense, orders = {}, dict(state), {}
@@ -165,7 +188,8 @@ def make_gptq(src: str, out: str, twin: str, group_size: int, desc_act: bool, se
             order = orders.setdefault(shared, rng.permutation(k))
             g_idx = np.empty(k, dtype=np.int64)
             g_idx[order] = np.arange(k) // group_size
-        codes, scales, zeros = _asym_groups(w, g_idx, k // group_size)
+        quantizer = _sym_groups if symmetric else _asym_groups
+        codes, scales, zeros = quantizer(w, g_idx, k // group_size)
         tensors[f"{name}.qweight"] = torch.from_numpy(_pack_rows(codes.numpy()))
         stored = ((zeros - 1) & 0xF).numpy().T  # [N, G] -> pack along N
         tensors[f"{name}.qzeros"] = torch.from_numpy(_pack_rows(stored).T.copy())
@@ -174,7 +198,7 @@ def make_gptq(src: str, out: str, twin: str, group_size: int, desc_act: bool, se
         dense[f"{name}.weight"] = _twin_weight(codes, scales.half().float(), zeros, g_idx)
     tensors.update(state)
     cfg = {"quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": desc_act}
-    cfg.update(sym=False, checkpoint_format="gptq")
+    cfg.update(sym=symmetric, checkpoint_format="gptq")
     return _write(out, src, tensors, cfg), _write(twin, src, dense, None)
 
 
@@ -226,3 +250,40 @@ def make_fp8_block(src: str, out: str, twin: str, block: tuple[int, int] = (32, 
     cfg = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
     cfg["weight_block_size"] = list(block)
     return _write(out, src, tensors, cfg), _write(twin, src, dense, None)
+
+
+def make_compressed_tensors_fp8_block(src: str, out: str, block: tuple[int, int]) -> str:
+    """compressed-tensors' FP8 block scheme (weights e4m3, one scale per block, as its
+    FP8_BLOCK preset), quantized and saved by the library itself (`float-quantized`)."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+        apply_quantization_config,
+    )
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    args = QuantizationArgs(
+        num_bits=8, type="float", symmetric=True, strategy="block", block_structure=list(block)
+    )
+    scheme = QuantizationScheme(targets=["Linear"], weights=args)
+    apply_quantization_config(
+        model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"])
+    )
+    bn, bk = block
+    with torch.no_grad():
+        for m in model.modules():
+            if hasattr(m, "weight_scale"):  # what its observer does: amax / 448 per block
+                n, k = m.weight.shape
+                pad = torch.zeros(-(-n // bn) * bn, -(-k // bk) * bk)
+                pad[:n, :k] = m.weight.abs()
+                amax = pad.view(pad.shape[0] // bn, bn, pad.shape[1] // bk, bk).amax((1, 3))
+                m.weight_scale.copy_((amax / 448.0).to(m.weight_scale.dtype))
+    compressor = ModelCompressor.from_pretrained_model(model, "float-quantized")
+    compressor.compress_model(model)
+    model.save_pretrained(out)
+    compressor.update_config(out)
+    _copy_aux(src, out)
+    return out
