@@ -44,6 +44,11 @@ class CausalLM(Protocol):
         """Our parameter name for a checkpoint tensor name (MTP layers are renamed)."""
         ...
 
+    def add_mtp_layers(self, tp) -> None:
+        """Build the checkpoint's multi-token-prediction layers (MTP speculative decoding);
+        ValueError for families that have none."""
+        ...
+
 
 class ModelHooks:
     """Defaults of the CausalLM hooks; model families inherit and override."""
@@ -59,6 +64,9 @@ class ModelHooks:
 
     def checkpoint_name(self, name: str) -> str:
         return name
+
+    def add_mtp_layers(self, tp) -> None:
+        raise ValueError(f"{type(self).__name__} has no multi-token-prediction layers")
 
 
 def attn_scale(model: CausalLM, head_dim: int) -> float:

@@ -94,8 +94,6 @@ def build_model(
         with torch.device(device):
             model = model_class(cfg.architecture)(cfg, tp)
             if mtp:
-                if not hasattr(model, "add_mtp_layers"):
-                    raise ValueError(f"{cfg.architecture} has no multi-token-prediction layers")
                 model.add_mtp_layers(tp)
     finally:
         torch.set_default_dtype(old)

@@ -37,6 +37,7 @@ from app.models.layers import (
 )
 from app.models.llama import DecoderStack
 from app.models.moe_fused import stack_experts
+from app.models.mtp import MTPFrontEnd, MTPHead
 from app.models.parallel import SINGLE, TPContext
 
 _EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
@@ -216,6 +217,14 @@ class MoEDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class MTPLayer(MTPFrontEnd, MoEDecoderLayer):
+    """A multi-token-prediction layer: a decoder layer behind the MTP front end."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TPContext, attention: nn.Module):
+        super().__init__(cfg, layer, tp, attention)
+        self.init_front_end(cfg)
+
+
 class MoEModel(DecoderStack):
     def __init__(self, cfg: ModelConfig, tp: TPContext, make_attention):
         super().__init__()
@@ -255,9 +264,8 @@ class MoECausalLM(ModelHooks, nn.Module):
 
     def add_mtp_layers(self, tp: TPContext = SINGLE) -> None:
         """Builds the checkpoint's MTP layers (`self.mtp`) so that they load and can run."""
-        from app.models.mtp import MTPHead
-
-        self.mtp = MTPHead(self, self.config, tp)
+        cfg = self.config
+        self.mtp = MTPHead(cfg, lambda i: MTPLayer(cfg, i, tp, self.make_attention(cfg, i, tp)))
 
     def checkpoint_name(self, name: str) -> str:
         return self.mtp.checkpoint_name(name) if self.mtp is not None else name

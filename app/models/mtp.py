@@ -18,14 +18,13 @@ the same layer again on its own output hidden state and its own draft.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from app.config import ModelConfig
 from app.models.layers import ReplicatedLinear, RMSNorm
-from app.models.moe import MoEDecoderLayer
-from app.models.parallel import TPContext
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 # The MTP layer's copies of the shared embedding and head (identical to the main ones).
@@ -42,11 +41,11 @@ class SharedHead(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-class MTPLayer(MoEDecoderLayer):
-    """A decoder layer with the MTP front end (names as in the checkpoint)."""
+class MTPFrontEnd:
+    """Mixed into a family's decoder layer class to make its MTP layer (names as in the
+    checkpoint); the family module defines the class, so this one imports no family."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, tp: TPContext, attention: nn.Module):
-        super().__init__(cfg, layer, tp, attention)
+    def init_front_end(self, cfg: ModelConfig) -> None:
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.enorm, self.hnorm = RMSNorm(h, eps), RMSNorm(h, eps)
         self.eh_proj = ReplicatedLinear(2 * h, h)
@@ -59,18 +58,18 @@ class MTPLayer(MoEDecoderLayer):
 
 
 class MTPHead(nn.Module):
-    """The model's MTP layers, kept out of the decoder stack's forward."""
+    """The model's MTP layers, kept out of the decoder stack's forward.
 
-    def __init__(self, model: nn.Module, cfg: ModelConfig, tp: TPContext):
+    make_layer(layer index) -> an MTPFrontEnd decoder layer of the family."""
+
+    def __init__(self, cfg: ModelConfig, make_layer: Callable[[int], nn.Module]):
         super().__init__()
         n = num_mtp_layers(cfg)
         if n == 0:
             raise ValueError(f"{cfg.architecture} checkpoint has no MTP layers")
         first = cfg.num_hidden_layers
         self.first_layer = first
-        self.layers = nn.ModuleList(
-            MTPLayer(cfg, first + i, tp, model.make_attention(cfg, first + i, tp)) for i in range(n)
-        )
+        self.layers = nn.ModuleList(make_layer(first + i) for i in range(n))
 
     def checkpoint_name(self, name: str) -> str:
         """model.layers.{L + i}.x -> mtp.layers.{i}.x; other names unchanged."""

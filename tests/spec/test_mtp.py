@@ -88,3 +88,8 @@ def test_mtp_greedy_equal_and_drafts_exact(checkpoint, monkeypatch):
         assert logits[n - 2 : n - 2 + len(drafts)].argmax(-1).tolist() == drafts
     stats = spec.stats()
     assert stats["spec_proposed_tokens"] >= stats["spec_accepted_tokens"]
+
+
+def test_mtp_on_a_family_without_mtp_layers_is_refused(llama_path):
+    with pytest.raises(ValueError, match="no multi-token-prediction layers"):
+        LLM(llama_path, dtype="float32", device="cpu", speculative_config={"method": "mtp"})
