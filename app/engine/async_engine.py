@@ -24,6 +24,10 @@ class AsyncEngine:
 
     async def generate(self, request: Request) -> AsyncIterator[RequestDelta]:
         """Streams the request's deltas; cancelling the consumer aborts the request."""
+        if request.request_id in self._queues:
+            # Refused before anything is touched: taking over the id would strand the
+            # running request's stream and abort it.
+            raise ValueError(f"request id {request.request_id!r} is already in use")
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request.request_id] = queue
         self._submit(("add", request))

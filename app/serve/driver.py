@@ -18,7 +18,13 @@ from app.engine.request import RequestDelta
 from app.serve.messages import DecodeRequest, GenerateRequest, RoutingInfo
 from app.serve.metrics import ReplicaMetrics
 from app.serve.normalize import EngineInfo, NormalizedRequest
-from app.serve.responses import DONE_REASONS, ChoiceStream, detokenized
+from app.serve.responses import (
+    DONE_REASONS,
+    Admission,
+    AdmissionTicket,
+    ChoiceStream,
+    detokenized,
+)
 
 _PLACEMENTS = 1024  # placements kept for the debug view; streams never collect theirs
 
@@ -33,6 +39,34 @@ async def _stream(response) -> AsyncIterator[Any]:
     finally:
         if not done:
             response.cancel()
+
+
+async def _refused_on_error(
+    deltas: AsyncIterator[RequestDelta], ticket: AdmissionTicket
+) -> AsyncIterator[RequestDelta]:
+    """A choice that fails (or ends) before it was admitted refuses the request."""
+    try:
+        async for delta in deltas:
+            yield delta
+    except Exception as e:
+        ticket.refuse(e)
+        raise
+    finally:
+        ticket.refuse(RuntimeError("the choice ended before it was admitted"))
+
+
+async def _assigned(response) -> None:
+    """Returns once Serve has placed the call on a replica; raises BackPressureError when
+    the deployment's queue is full. (A private Ray API, hence the fallback: without it,
+    admission is decided by the first delta instead.)"""
+    fetch = getattr(response, "_fetch_future_result_async", None)
+    if fetch is None:
+        return
+    try:
+        await fetch()
+    except asyncio.CancelledError:
+        response.cancel()
+        raise
 
 
 class RequestDriver:
@@ -71,27 +105,33 @@ class RequestDriver:
         """The request's choices as one stream (nothing runs until it is first read)."""
         info = await self.describe()
         role = "prefill" if self.prefill is not None else "engine"
+        admission = Admission(req.params.n)
         choices = [
             detokenized(
-                self._timed(req.choice(i, info, role)),
+                self._timed(req.choice(i, info, role), admission.ticket()),
                 self.tokenizer,
                 req.params,
                 info.eos_token_ids,
             )
             for i in range(req.params.n)
         ]
-        return ChoiceStream(choices)
+        return ChoiceStream(choices, admission)
 
     def placements(self, req: NormalizedRequest) -> list[dict[str, Any] | None]:
         return [self.placement.pop(f"{req.engine_id}-{i}", None) for i in range(req.params.n)]
 
-    def _timed(self, gen: GenerateRequest) -> AsyncIterator[RequestDelta]:
+    def _timed(self, gen: GenerateRequest, ticket: AdmissionTicket) -> AsyncIterator[RequestDelta]:
         """One choice's deltas, timed: TTFT, inter-token and e2e latency, token counts."""
-        return self.metrics.timed(self._choice_deltas(gen), len(gen.prompt_token_ids))
+        deltas = _refused_on_error(self._choice_deltas(gen, ticket), ticket)
+        return self.metrics.timed(deltas, len(gen.prompt_token_ids))
 
-    async def _choice_deltas(self, gen: GenerateRequest) -> AsyncIterator[RequestDelta]:
+    async def _choice_deltas(
+        self, gen: GenerateRequest, admission: AdmissionTicket
+    ) -> AsyncIterator[RequestDelta]:
         if self.engine is not None:
-            async for delta in _stream(self.engine.options(stream=True).generate.remote(gen)):
+            response = self.engine.options(stream=True).generate.remote(gen)
+            async for delta in _stream(response):
+                admission.admit()  # the engine took it (its refusal would come first)
                 yield delta
             return
         response = self.prefill.prefill.remote(gen)
@@ -100,18 +140,28 @@ class RequestDriver:
         except asyncio.CancelledError:
             response.cancel()
             raise
-        if self.record_placement:
-            if len(self.placement) > _PLACEMENTS:
-                self.placement.pop(next(iter(self.placement)))
-            self.placement[gen.request_id] = {
-                "prefill_replica": result.replica,
-                "store_tokens": result.num_store_tokens,
-                "store_failures": result.store_failures,
-            }
-        yield result.first
+        self._record(gen, result)
         if result.first.finish_reason in DONE_REASONS:
+            admission.admit()
+            yield result.first
             return
         routing = RoutingInfo(gen.routing.num_tokens, gen.routing.chunk_keys, None)
-        request = DecodeRequest(gen, result, routing)
-        async for delta in _stream(self.decode.options(stream=True).generate.remote(request)):
+        decode = self.decode.options(stream=True).generate.remote(
+            DecodeRequest(gen, result, routing)
+        )
+        await _assigned(decode)  # before the first token goes out: 429 stays possible
+        admission.admit()
+        yield result.first
+        async for delta in _stream(decode):
             yield delta
+
+    def _record(self, gen: GenerateRequest, result) -> None:
+        if not self.record_placement:
+            return
+        if len(self.placement) > _PLACEMENTS:
+            self.placement.pop(next(iter(self.placement)))
+        self.placement[gen.request_id] = {
+            "prefill_replica": result.replica,
+            "store_tokens": result.num_store_tokens,
+            "store_failures": result.store_failures,
+        }

@@ -81,11 +81,13 @@ class GrpcIngress:
             rid, stream, counter, tools = await self._grpc_start(request, grpc_context)
             calls = StreamToolCalls(tools) if tools is not None and tools.constrained else None
             end = time.monotonic() + self.args.request_timeout_s
-            while (delta := await _next(stream, end)) is not None:
+            delta = await _next(stream.first(), end)  # every choice admitted: no 200-then-429
+            while delta is not None:
                 message = stream_message(delta, rid, calls)
                 if counter.add(delta):
                     message.usage.CopyFrom(counter.usage())
                 yield message
+                delta = await _next(stream.next(), end)
         except Exception as e:  # noqa: BLE001 - every failure becomes a status code
             # A streaming error's trailers cannot reach the client through Serve's proxy
             # (only code and details do), so the retry delay is in the details too.
@@ -270,11 +272,13 @@ async def _result(response) -> Any:
     return await response
 
 
-async def _next(stream: ChoiceStream, end: float):
+async def _next(step, end: float):
+    """`step` (a ChoiceStream read), bounded by the request's deadline."""
     remaining = end - time.monotonic()
     if remaining <= 0:
+        step.close()
         raise TimeoutError("the request ran past the server's request_timeout_s")
     try:
-        return await asyncio.wait_for(stream.next(), remaining)
+        return await asyncio.wait_for(step, remaining)
     except asyncio.TimeoutError:
         raise TimeoutError("the request ran past the server's request_timeout_s") from None

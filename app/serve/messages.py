@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from app.engine.block_hash import chain_keys, make_salt
 from app.engine.request import RequestDelta
 from app.engine.sampling_params import SamplingParams
 from app.kvstore.store import StoredChunk
@@ -49,3 +50,17 @@ class DecodeRequest:
 def short_key(key: bytes) -> int:
     """A chunk key's first 8 bytes: enough to tell prefixes apart in routing stats."""
     return int.from_bytes(key[:8], "little")
+
+
+def prompt_chunk_keys(
+    prompt: list[int],
+    salt_base: tuple[str, str, str] | list[str],
+    cache_salt: str | None,
+    block_size: int,
+    chunk_tokens: int,
+) -> list[bytes]:
+    """Key of every full chunk of ``prompt``: the block key of the chunk's last block."""
+    salt = make_salt(*salt_base, cache_salt)
+    per_chunk = chunk_tokens // block_size
+    block_keys = chain_keys(prompt, block_size, salt)
+    return block_keys[per_chunk - 1 :: per_chunk]

@@ -23,9 +23,8 @@ from typing import Any
 from app.engine.sampling_params import SamplingParams, random_seed
 from app.engine.structured.tools import ToolChoice
 from app.serve.config import ServeArgs
-from app.serve.messages import GenerateRequest, RoutingInfo, short_key
+from app.serve.messages import GenerateRequest, RoutingInfo, prompt_chunk_keys, short_key
 from app.serve.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest
-from app.serve.replica import prompt_chunk_keys
 
 Body = CompletionRequest | ChatCompletionRequest
 ROLES = ("prefill", "decode", "engine")

@@ -12,6 +12,8 @@ from app.engine.sampling_params import SamplingParams
 from app.engine.structured.tools import ToolChoice
 from app.serve.structured_request import StructuredFieldError, request_spec, tools_and_choice
 
+GREEDY_BELOW = 1e-5  # temperatures below this sample greedily
+
 
 class APIError(Exception):
     """Becomes OpenAI's error JSON with this HTTP status."""
@@ -66,7 +68,8 @@ class _SamplingFields(BaseModel):
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)  # what a generator takes
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
-    repetition_penalty: float = Field(default=1.0, gt=0)
+    # Far outside [0.01, 100] a penalty only overflows the logits (1e-300: inf, then NaN).
+    repetition_penalty: float = Field(default=1.0, ge=0.01, le=100)
     ignore_eos: bool = False
     user: str | None = None
     cache_salt: Any = None  # rejected: the operator sets it (see Ingress)
@@ -79,6 +82,9 @@ class _SamplingFields(BaseModel):
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        # A temperature this close to 0 is greedy decoding (its limit); dividing logits by
+        # 1e-300 or a denormal would overflow them instead (as vLLM, below 1e-5 is greedy).
+        temperature = 0.0 if self.temperature < GREEDY_BELOW else self.temperature
         try:
             structured = self.structured_spec()
         except StructuredFieldError as e:
@@ -86,7 +92,7 @@ class _SamplingFields(BaseModel):
         try:
             return SamplingParams(
                 n=self.n,
-                temperature=self.temperature,
+                temperature=temperature,
                 top_p=self.top_p,
                 top_k=self.top_k,
                 min_p=self.min_p,

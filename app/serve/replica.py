@@ -19,7 +19,7 @@ from app.kvstore.store import KVStoreClient, StoredChunk
 from app.kvstore.transfer import ChunkExpectation, FetchResult, fetch_verified
 from app.serve.autoscaling import autoscaling_stats
 from app.serve.config import EngineArgs, ServeArgs
-from app.serve.messages import short_key
+from app.serve.messages import prompt_chunk_keys, short_key
 from app.serve.metrics import ReplicaMetrics, model_label
 
 log = logging.getLogger(__name__)
@@ -177,20 +177,6 @@ class EngineHost:
     def autoscaling_stats(self) -> dict[str, float]:
         """The load Serve's autoscaler sees (app/serve/autoscaling.py)."""
         return autoscaling_stats(self.engine.stats(), self.inflight_tokens)
-
-
-def prompt_chunk_keys(
-    prompt: list[int],
-    salt_base: tuple[str, str, str] | list[str],
-    cache_salt: str | None,
-    block_size: int,
-    chunk_tokens: int,
-) -> list[bytes]:
-    """Key of every full chunk of ``prompt``: the block key of the chunk's last block."""
-    salt = make_salt(*salt_base, cache_salt)
-    per_chunk = chunk_tokens // block_size
-    block_keys = chain_keys(prompt, block_size, salt)
-    return block_keys[per_chunk - 1 :: per_chunk]
 
 
 def is_full(chunk: KVChunk, chunk_tokens: int) -> bool:

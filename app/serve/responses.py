@@ -57,11 +57,64 @@ async def detokenized(
             return
 
 
+class Admission:
+    """Whether every choice of a request got a place on the replicas that will finish it.
+
+    A streamed answer commits to "200 OK" with its first byte, so the ingress waits until
+    each choice is admitted (decode replica assigned, or colocated engine streaming) before
+    sending anything: an overloaded server then answers 429 / RESOURCE_EXHAUSTED, not a 200
+    stream that ends in an in-band rate-limit error.
+    """
+
+    def __init__(self, num_choices: int):
+        self._left = num_choices
+        self._decided = asyncio.Event()
+        self._error: BaseException | None = None
+
+    def ticket(self) -> AdmissionTicket:
+        return AdmissionTicket(self)
+
+    def _admit(self) -> None:
+        self._left -= 1
+        if self._left <= 0:
+            self._decided.set()
+
+    def _refuse(self, error: BaseException) -> None:
+        if self._error is None:
+            self._error = error
+        self._decided.set()
+
+    async def wait(self) -> None:
+        await self._decided.wait()
+        if self._error is not None:
+            raise self._error
+
+
+class AdmissionTicket:
+    """One choice's part: admitted once, or refused if it fails before that."""
+
+    def __init__(self, admission: Admission):
+        self._admission, self._open = admission, True
+
+    def admit(self) -> None:
+        if self._open:
+            self._open = False
+            self._admission._admit()
+
+    def refuse(self, error: BaseException) -> None:
+        if self._open:
+            self._open = False
+            self._admission._refuse(error)
+
+
 class ChoiceStream:
     """Runs each choice's delta stream as a task; yields deltas (index = choice) as they come."""
 
-    def __init__(self, choices: list[AsyncIterator[RequestDelta]]):
+    def __init__(
+        self, choices: list[AsyncIterator[RequestDelta]], admission: Admission | None = None
+    ):
         self._choices = choices
+        self.admission = admission
         self._queue: asyncio.Queue = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
         self._open = len(choices)
@@ -96,8 +149,12 @@ class ChoiceStream:
         return None
 
     async def first(self) -> RequestDelta | None:
+        """The first delta, once every choice is admitted (errors here precede any byte)."""
         try:
-            return await self.next()
+            first = await self.next()
+            if self.admission is not None:
+                await self.admission.wait()
+            return first
         except BaseException:
             self.close()
             raise

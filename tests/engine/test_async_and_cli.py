@@ -39,6 +39,35 @@ def test_async_streams_same_tokens_and_leaves_nothing_held(llama_path):
     assert not llm.engine.has_unfinished()
 
 
+def test_a_second_request_with_a_live_id_is_refused_and_the_first_runs_on(llama_path):
+    """Seen failing before AsyncEngine.generate checked the id: the second call took over
+    the first's queue, its refusal then aborted the id, and the first stream got nothing
+    more (wait_for timed out)."""
+    llm = LLM(llama_path, dtype="float32", device="cpu")
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    engine = AsyncEngine(llm.engine)
+
+    async def main():
+        first = engine.generate(Request("dup", PROMPT, params))
+        head = await first.__anext__()
+        try:
+            async for _ in engine.generate(Request("dup", PROMPT, params)):
+                pass
+        except ValueError as e:
+            refused = str(e)
+        rest = await asyncio.wait_for(_drain(first), 30)
+        return [head, *rest], refused
+
+    deltas, refused = asyncio.run(main())
+    assert "already in use" in refused
+    assert sum(len(d.new_token_ids) for d in deltas) == 10
+    assert deltas[-1].finish_reason == "length"
+
+
+async def _drain(stream) -> list:
+    return [d async for d in stream]
+
+
 def test_async_bad_request_fails_only_itself(llama_path):
     llm = LLM(llama_path, dtype="float32", device="cpu")
     engine = AsyncEngine(llm.engine)

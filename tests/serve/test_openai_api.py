@@ -1,5 +1,7 @@
 """The OpenAI API end to end: the official client against `serve.run` on loopback."""
 
+import threading
+
 import httpx
 import openai
 import pytest
@@ -137,6 +139,34 @@ def test_malformed_requests_get_openai_errors(url, body, status, words):
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert words.lower() in err["message"].lower() and err["type"]
+
+
+def test_tiny_sampling_values_leave_a_bystander_unharmed(url, client, offline):
+    """A temperature of 1e-300, 1e-45 or a denormal is greedy (its limit), not NaN; an
+    overflowing repetition_penalty is a 400 naming it. Seen failing with GREEDY_BELOW set to
+    0: logits / 1e-300 became NaN, torch.multinomial raised inside the step, and the
+    bystander streaming beside it got an in-band 500 error instead of its text."""
+    want = offline.generate([PROMPT], greedy(offline, 40, ignore_eos=True))[0].text
+    got = {}
+
+    def bystander():
+        stream = client.completions.create(
+            model="tiny", prompt=PROMPT, max_tokens=40, temperature=0, ignore_eos=True,
+            stream=True,
+        )  # fmt: skip
+        got["text"] = "".join(c.choices[0].text for c in stream if c.choices)
+
+    thread = threading.Thread(target=bystander)
+    thread.start()
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "ignore_eos": True}
+    for temperature in (1e-300, 1e-45, 5e-324):
+        r = httpx.post(url + "/v1/completions", json={**body, "temperature": temperature})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == want[: len(r.json()["choices"][0]["text"])]
+    r = httpx.post(url + "/v1/completions", json={**body, "repetition_penalty": 1e-300})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "repetition_penalty"
+    thread.join()
+    assert got["text"] == want
 
 
 def test_chat_surrogate_and_wrong_routes_are_openai_errors(url):
