@@ -1,33 +1,66 @@
-"""Configuration dataclasses at the engine's boundaries; each validates itself."""
+"""Configuration dataclasses at the engine's boundaries; each validates itself.
+
+These are the single source of the engine's options: each field's `metadata` (`opt(...)`)
+carries its help text and choices, and app/options.py derives from them the `LLM(...)`
+keyword arguments, the CLI flags and the Serve config's `engine:` fields. Adding an option is
+adding a field here (with `opt`); every front end then has it.
+
+torch is imported only where a torch dtype or device is made, so that light modules (the
+gRPC proxy, config validation at deploy time) can read these without it.
+"""
 
 from __future__ import annotations
 
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from app.kv.dtypes import CONFIG_NAMES as KV_DTYPES
-
-_TORCH_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "fp8_e4m3": torch.float8_e4m3fn,
+# The config spellings of app/kv/dtypes.py's table (app.kv.dtypes.CONFIG_NAMES), written out
+# because that table needs torch; tests/test_options.py keeps the two equal.
+KV_DTYPES = ("auto", "bf16", "bfloat16", "float16", "float32", "fp16", "fp32", "fp8_e4m3")
+DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
+ATTENTION_BACKENDS = ("auto", "torch", "reference", "triton")
+WEIGHT_QUANTS = (None, "int4", "fp8")
+_TORCH_DTYPES = {  # name -> torch attribute
+    "float32": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "fp8_e4m3": "float8_e4m3fn",
 }
 
 
 def torch_dtype(name: str | torch.dtype) -> torch.dtype:
+    import torch
+
     if isinstance(name, torch.dtype):
         return name
     if name not in _TORCH_DTYPES:
         raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(_TORCH_DTYPES)}")
-    return _TORCH_DTYPES[name]
+    return getattr(torch, _TORCH_DTYPES[name])
+
+
+def opt(default: Any = None, help: str = "", choices: tuple | None = None, **kw) -> Any:
+    """A dataclass field that is also an engine option (app/options.py reads the metadata)."""
+    meta = {"help": help, "choices": choices}
+    if "default_factory" in kw:
+        return field(default_factory=kw.pop("default_factory"), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _choice(name: str, value: Any, choices: tuple) -> None:
+    _check(value in choices, f"{name} must be one of {choices}, got {value!r}")
 
 
 @dataclass(slots=True)
@@ -104,33 +137,50 @@ def _rope_theta(hf: dict[str, Any]) -> float:
 
 @dataclass(slots=True)
 class CacheConfig:
-    block_size: int = 16
-    kv_cache_dtype: str = "auto"
-    kv_cache_memory_bytes: int | None = None  # None: a fraction of free memory
-    gpu_memory_utilization: float = 0.85
-    cpu_kv_cache_bytes: int = 256 << 20  # default budget on CPU
-    enable_prefix_caching: bool = True
-    chunk_tokens: int = 256
+    block_size: int = opt(16, "tokens per KV cache block")
+    kv_cache_dtype: str = opt("auto", "KV cache dtype (auto: the activation dtype)", KV_DTYPES)
+    kv_cache_memory_bytes: int | None = opt(
+        None, "KV cache budget in bytes (unset: gpu_memory_utilization of free GPU memory)"
+    )
+    gpu_memory_utilization: float = opt(0.85, "fraction of free GPU memory for the KV cache")
+    cpu_kv_cache_bytes: int = opt(256 << 20, "KV cache budget on CPU when no budget is set")
+    enable_prefix_caching: bool = opt(True, "reuse the KV of shared prompt prefixes")
+    chunk_tokens: int = opt(256, "tokens per KV chunk exchanged with the store (x block_size)")
 
     def __post_init__(self):
-        if self.kv_cache_dtype not in KV_DTYPES:
-            raise ValueError(
-                f"kv_cache_dtype must be one of {KV_DTYPES}, got {self.kv_cache_dtype!r}"
-            )
-        if self.block_size <= 0 or self.chunk_tokens % self.block_size:
-            raise ValueError("block_size must be positive and divide chunk_tokens")
+        _choice("kv_cache_dtype", self.kv_cache_dtype, KV_DTYPES)
+        _check(_positive_int(self.block_size), "block_size must be a positive integer")
+        _check(
+            _positive_int(self.chunk_tokens) and self.chunk_tokens % self.block_size == 0,
+            "chunk_tokens must be a positive multiple of block_size",
+        )
+        budget = self.kv_cache_memory_bytes
+        _check(budget is None or _positive_int(budget), "kv_cache_memory_bytes must be > 0")
+        _check(_positive_int(self.cpu_kv_cache_bytes), "cpu_kv_cache_bytes must be > 0")
+        util = self.gpu_memory_utilization
+        _check(_is_real(util) and 0 < util <= 1, "gpu_memory_utilization must be in (0, 1]")
+        _check(isinstance(self.enable_prefix_caching, bool), "enable_prefix_caching: a bool")
 
 
 @dataclass(slots=True)
 class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048  # per-step token budget
-    max_waiting: int = 1024  # admission limit: beyond this add_request raises Overloaded
-    long_prefill_chunk: int = 512  # chunked prefill: max new tokens of one sequence per step
+    max_num_seqs: int = opt(64, "sequences in one step's batch, at most")
+    max_num_batched_tokens: int = opt(2048, "tokens computed in one step, at most")
+    max_waiting: int = opt(1024, "waiting sequences, at most (beyond: Overloaded, HTTP 429)")
+    long_prefill_chunk: int = opt(512, "chunked prefill: new tokens of one sequence per step")
 
     def __post_init__(self):
-        assert self.max_num_seqs > 0 and self.max_num_batched_tokens > 0
-        assert self.long_prefill_chunk > 0 and self.max_waiting > 0
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting"):
+            _check(_positive_int(getattr(self, name)), f"{name} must be a positive integer")
+        _check(_positive_int(self.long_prefill_chunk), "long_prefill_chunk must be positive")
+
+
+def _positive_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x > 0
+
+
+def _is_real(x: Any) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and x == x
 
 
 SPECULATIVE_METHODS = ("ngram", "mtp", "draft_model")
@@ -175,35 +225,42 @@ class SpeculativeConfig:
 
 @dataclass(slots=True)
 class EngineConfig:
-    model: str
-    dtype: str = "auto"  # auto: bf16 on CUDA, float32 on CPU
-    device: str = "auto"
-    weight_quant: str | None = None  # None | "int4" | "fp8" (quantize on load)
-    attention_backend: str = "auto"  # auto | torch | reference | triton
-    tensor_parallel_size: int = 1
-    enable_expert_parallel: bool = False  # MoE: whole experts partitioned across TP ranks
-    seed: int = 0
+    model: str = opt("", "checkpoint folder (Hugging Face layout)")
+    dtype: str = opt("auto", "activation dtype (auto: bf16 on CUDA, float32 on CPU)", DTYPES)
+    device: str = opt("auto", "auto | cpu | cuda | cuda:N")
+    weight_quant: str | None = opt(
+        None, "quantize weights on load (int4: W4A16, fp8)", WEIGHT_QUANTS
+    )
+    attention_backend: str = opt("auto", "attention implementation", ATTENTION_BACKENDS)
+    tensor_parallel_size: int = opt(1, "ranks the model is split over")
+    enable_expert_parallel: bool = opt(False, "MoE: whole experts partitioned across TP ranks")
+    seed: int = opt(0, "engine seed (requests without their own seed)")
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    speculative_config: SpeculativeConfig | None = None
+    speculative_config: SpeculativeConfig | None = opt(
+        None, "speculative decoding: SpeculativeConfig's fields, e.g. {method: ngram}"
+    )
 
     def __post_init__(self):
         self.speculative_config = SpeculativeConfig.from_any(self.speculative_config)
-        if self.weight_quant not in (None, "int4", "fp8"):
-            raise ValueError(
-                f"weight_quant must be None, 'int4' or 'fp8', got {self.weight_quant!r}"
-            )
-        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if self.attention_backend not in ("auto", "torch", "reference", "triton"):
-            raise ValueError(f"unknown attention_backend {self.attention_backend!r}")
+        _check(isinstance(self.model, str) and bool(self.model), "model: a checkpoint folder")
+        _choice("dtype", self.dtype, DTYPES)
+        _choice("weight_quant", self.weight_quant, WEIGHT_QUANTS)
+        _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        tp = self.tensor_parallel_size
+        _check(_positive_int(tp), f"tensor_parallel_size must be >= 1, got {tp!r}")
+        _check(isinstance(self.seed, int), "seed must be an integer")
 
     def resolved_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
     def resolved_dtype(self) -> torch.dtype:
+        import torch
+
         if self.dtype == "auto":
             return torch.bfloat16 if self.resolved_device().type == "cuda" else torch.float32
         return torch_dtype(self.dtype)

@@ -8,6 +8,7 @@ import sys
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from app.cli import default_model
+    from app.options import OPTIONS, add_engine_arguments
 
     p.add_argument("--model", default=default_model(), help="HF checkpoint folder")
     p.add_argument("--prompt", required=True)
@@ -16,37 +17,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=-1)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--kv-cache-dtype", default="auto")
-    p.add_argument("--weight-quant", default=None, choices=[None, "int4", "fp8"])
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--device", default="auto")
+    p.add_argument("--seed", dest="sampling_seed", type=int, help="this request's sampling seed")
+    # Every engine option of app/config.py, as the offline LLM takes it (app/options.py).
+    add_engine_arguments(p, [name for name in OPTIONS if name not in ("model", "seed")])
 
 
 def run(args: argparse.Namespace) -> int:
     from app import LLM, SamplingParams
+    from app.options import given_options
 
     try:
         params = SamplingParams(
             temperature=args.temperature,
             top_p=args.top_p,
             top_k=args.top_k,
-            seed=args.seed,
+            seed=args.sampling_seed,
             max_tokens=args.max_tokens,
         )
-        llm = LLM(
-            args.model,
-            dtype=args.dtype,
-            device=args.device,
-            kv_cache_dtype=args.kv_cache_dtype,
-            weight_quant=args.weight_quant,
-            show_progress=True,
-        )
+        llm = LLM(args.model, show_progress=True, **given_options(args))
         if args.chat:
             out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
         else:
             out = llm.generate(args.prompt, params)[0]
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(out.text)

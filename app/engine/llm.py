@@ -8,58 +8,25 @@ from typing import Any
 
 from tqdm import tqdm
 
-from app.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from app.engine.engine import Engine
 from app.engine.request import CompletionOutput, Request, RequestOutput
 from app.engine.sampling_params import SamplingParams
+from app.options import engine_config
 
 Prompt = str | list[int]
 
 
 class LLM:
-    def __init__(
-        self,
-        model: str,
-        *,
-        dtype: str = "auto",
-        device: str = "auto",
-        kv_cache_dtype: str = "auto",
-        kv_cache_memory_bytes: int | None = None,
-        block_size: int = 16,
-        enable_prefix_caching: bool = True,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
-        long_prefill_chunk: int = 512,
-        weight_quant: str | None = None,
-        attention_backend: str = "auto",
-        tensor_parallel_size: int = 1,
-        enable_expert_parallel: bool = False,
-        speculative_config: dict | SpeculativeConfig | None = None,
-        show_progress: bool = False,
-    ):
-        """tensor_parallel_size > 1 starts that many local ranks (this process is rank 0;
+    def __init__(self, model: str, *, show_progress: bool = False, **options: Any):
+        """`options`: any engine option of app/config.py's dataclasses, by its flat name
+        (app/options.py lists them: dtype, device, kv_cache_dtype, kv_cache_memory_bytes,
+        block_size, enable_prefix_caching, max_num_seqs, max_num_batched_tokens,
+        long_prefill_chunk, max_waiting, weight_quant, attention_backend,
+        tensor_parallel_size, speculative_config, ...); unknown names raise TypeError.
+
+        tensor_parallel_size > 1 starts that many local ranks (this process is rank 0;
         gloo on CPU, NCCL on GPUs); call shutdown() or use `with LLM(...) as llm:`."""
-        config = EngineConfig(
-            model=model,
-            dtype=dtype,
-            device=device,
-            weight_quant=weight_quant,
-            attention_backend=attention_backend,
-            tensor_parallel_size=tensor_parallel_size,
-            enable_expert_parallel=enable_expert_parallel,
-            speculative_config=SpeculativeConfig.from_any(speculative_config),
-            cache=CacheConfig(
-                block_size=block_size,
-                kv_cache_dtype=kv_cache_dtype,
-                kv_cache_memory_bytes=kv_cache_memory_bytes,
-                enable_prefix_caching=enable_prefix_caching,
-            ),
-            scheduler=SchedulerConfig(
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                long_prefill_chunk=long_prefill_chunk,
-            ),
-        )
+        config = engine_config({**options, "model": model})
         self.engine = Engine(config, progress=show_progress)
         # Garbage collection ends the workers and the process group too (a notebook that
         # drops an LLM and builds another); the finalizer holds the engine, never self.

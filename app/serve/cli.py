@@ -15,13 +15,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="a deploy/*.yaml file; its first application's args are used")
     p.add_argument("--model", help="checkpoint folder (default: the embedded default model)")
     p.add_argument("--mode", choices=["disaggregated", "colocated"])
-    p.add_argument("--kv-cache-dtype", choices=["fp8_e4m3", "bf16", "fp32", "auto"])
     p.add_argument("--num-prefill-replicas", type=int)
     p.add_argument("--num-decode-replicas", type=int)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=9000, help="gRPC API port (0: no gRPC)")
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs for the local Ray")
+    # Every engine option of app/config.py; given flags override the config file's engine:.
+    from app.options import OPTIONS, add_engine_arguments
+    from app.serve.config import SERVE_DEFAULTS
+
+    add_engine_arguments(p, [name for name in OPTIONS if name != "model"], SERVE_DEFAULTS)
 
 
 def serve_args(args: argparse.Namespace) -> dict:
@@ -29,11 +33,11 @@ def serve_args(args: argparse.Namespace) -> dict:
     if args.config:
         with open(args.config) as f:
             cfg = dict(yaml.safe_load(f)["applications"][0].get("args") or {})
-    engine = dict(cfg.get("engine") or {})
+    from app.options import given_options
+
+    engine = dict(cfg.get("engine") or {}) | given_options(args)
     if args.model:
         engine["model"] = args.model
-    if args.kv_cache_dtype:
-        engine["kv_cache_dtype"] = args.kv_cache_dtype
     cfg["engine"] = engine
     for name in ("mode", "num_prefill_replicas", "num_decode_replicas"):
         if getattr(args, name) is not None:

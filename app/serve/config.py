@@ -4,41 +4,64 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
+
+from app.config import EngineConfig
+from app.options import OPTIONS, EngineOption, engine_config
+
+# Where a served engine's default differs from the offline engine's (app/config.py).
+SERVE_DEFAULTS: dict[str, Any] = {
+    "kv_cache_dtype": "fp8_e4m3",  # the point of slimserve: half the KV bytes
+    "kv_cache_memory_bytes": 64 << 20,  # a small fixed budget; set it for real deployments
+}
+_PLACEHOLDER_MODEL = "<model>"  # deploy-time validation does not need the checkpoint
 
 
-class EngineArgs(BaseModel):
-    """What each engine replica is built from (mirrors app.config.EngineConfig)."""
+def _field(option: EngineOption) -> tuple[Any, Any]:
+    """The pydantic (type, FieldInfo) of one engine option; choices become a Literal."""
+    base: Any = dict[str, Any] if option.type is dict else option.type
+    if option.choices:
+        base = Literal[tuple(c for c in option.choices if c is not None)]
+    typ = base | None if option.optional else base
+    default = SERVE_DEFAULTS.get(option.name, option.default)
+    return typ, Field(default=default, description=option.help)
 
-    model_config = ConfigDict(extra="forbid")
+
+_EngineFields = create_model(
+    "_EngineFields",
+    __config__=ConfigDict(extra="forbid"),
+    **{name: _field(o) for name, o in OPTIONS.items() if name != "model"},
+)
+
+
+class EngineArgs(_EngineFields):
+    """What each engine replica is built from: every option of app.config's dataclasses
+    (derived from them, app/options.py), plus `model` (optional) and `torch_threads`.
+
+    Validated at deploy time by building the EngineConfig, so a bad value fails here with
+    the dataclass's own message, naming the field.
+    """
 
     model: str | None = None  # None: the embedded default model
-    dtype: str = "auto"
-    device: str = "auto"
-    kv_cache_dtype: str = "fp8_e4m3"
-    kv_cache_memory_bytes: int | None = Field(default=64 << 20, gt=0)
-    block_size: int = Field(default=16, gt=0)
-    chunk_tokens: int = Field(default=256, gt=0)
-    max_num_seqs: int = Field(default=64, gt=0)
-    max_num_batched_tokens: int = Field(default=2048, gt=0)
-    weight_quant: str | None = None
     torch_threads: int | None = Field(default=None, gt=0)  # None: torch's default
-    # Ranks per replica (docs/parallelism.md): workers are Ray actors in its placement group.
-    tensor_parallel_size: int = Field(default=1, ge=1)
-    enable_expert_parallel: bool = False
-    # app.config.SpeculativeConfig's fields, e.g. {method: ngram, num_speculative_tokens: 3}.
-    # Decode (and colocated) replicas speculate; prefill replicas never decode.
-    speculative_config: dict[str, Any] | None = None
+    # Notes: tensor_parallel_size ranks run as Ray actors in the replica's placement group
+    # (docs/parallelism.md); with speculative_config only decode (and colocated) replicas
+    # speculate, prefill replicas never decode.
 
     @model_validator(mode="after")
-    def _chunk_is_whole_blocks(self) -> EngineArgs:
-        if self.chunk_tokens % self.block_size:
-            raise ValueError("chunk_tokens must be a multiple of block_size")
-        if self.speculative_config is not None:  # unknown keys and bad values fail here
-            from app.config import SpeculativeConfig  # lazily: app.config imports torch
-
-            SpeculativeConfig.from_any(self.speculative_config)
+    def _valid_engine(self) -> EngineArgs:
+        self.engine_config(self.model or _PLACEHOLDER_MODEL)  # raises naming the field
         return self
+
+    def engine_options(self) -> dict[str, Any]:
+        """The flat engine options (app/options.py), without `model`."""
+        return {name: getattr(self, name) for name in OPTIONS if name != "model"}
+
+    def engine_config(self, model: str) -> EngineConfig:
+        try:
+            return engine_config({**self.engine_options(), "model": model})
+        except TypeError as e:  # pydantic reports only ValueError / AssertionError
+            raise ValueError(str(e)) from None
 
 
 class ServeArgs(BaseModel):

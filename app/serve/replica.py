@@ -10,7 +10,7 @@ from typing import Any
 import ray
 import torch
 
-from app.config import CacheConfig, EngineConfig, SchedulerConfig
+from app.config import EngineConfig
 from app.engine.async_engine import AsyncEngine
 from app.engine.engine import Engine
 from app.kv.chunk import KVChunk
@@ -35,24 +35,7 @@ def resolve_model(model: str | None) -> str:
 
 
 def engine_config(args: EngineArgs) -> EngineConfig:
-    return EngineConfig(
-        model=resolve_model(args.model),
-        dtype=args.dtype,
-        device=args.device,
-        weight_quant=args.weight_quant,
-        tensor_parallel_size=args.tensor_parallel_size,
-        enable_expert_parallel=args.enable_expert_parallel,
-        speculative_config=args.speculative_config,
-        cache=CacheConfig(
-            block_size=args.block_size,
-            kv_cache_dtype=args.kv_cache_dtype,
-            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-            chunk_tokens=args.chunk_tokens,
-        ),
-        scheduler=SchedulerConfig(
-            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
-        ),
-    )
+    return args.engine_config(resolve_model(args.model))
 
 
 def replica_name() -> str:
