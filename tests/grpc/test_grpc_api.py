@@ -128,6 +128,21 @@ def test_complete_chat_token_ids_and_n(served, stub, offline):
     assert len({tuple(c.token_ids) for c in three.choices}) > 1
 
 
+def test_denormal_temperature_is_greedy_and_infinite_penalty_is_invalid(stub, offline):
+    """Over gRPC a double can be a denormal or inf: the first is greedy (its limit), the
+    second INVALID_ARGUMENT naming the field; neither is an INTERNAL error."""
+    want = offline.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8))[0]
+    tiny = pb.SamplingParams(max_tokens=8, temperature=5e-324)
+    got = stub.Complete(pb.GenerateRequest(text=PROMPT, sampling=tiny), metadata=KEY_A)
+    assert list(got.choices[0].token_ids) == want.token_ids
+    inf = pb.SamplingParams(max_tokens=8, repetition_penalty=float("inf"))
+    err = code_of(
+        lambda: stub.Complete(pb.GenerateRequest(text=PROMPT, sampling=inf), metadata=KEY_A)
+    )
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "sampling.repetition_penalty" in err.details()
+
+
 def test_tokenize_detokenize_models_and_health(served, stub, offline):
     tok = stub.Tokenize(pb.TokenizeRequest(text=PROMPT), metadata=KEY_A)
     assert (

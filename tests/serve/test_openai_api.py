@@ -151,8 +151,8 @@ def test_tiny_sampling_values_leave_a_bystander_unharmed(url, client, offline):
 
     def bystander():
         stream = client.completions.create(
-            model="tiny", prompt=PROMPT, max_tokens=40, temperature=0, ignore_eos=True,
-            stream=True,
+            model="tiny", prompt=PROMPT, max_tokens=40, temperature=0, stream=True,
+            extra_body={"ignore_eos": True},
         )  # fmt: skip
         got["text"] = "".join(c.choices[0].text for c in stream if c.choices)
 
