@@ -144,8 +144,9 @@ def test_malformed_requests_get_openai_errors(url, body, status, words):
 def test_tiny_sampling_values_leave_a_bystander_unharmed(url, client, offline):
     """A temperature of 1e-300, 1e-45 or a denormal is greedy (its limit), not NaN; an
     overflowing repetition_penalty is a 400 naming it. Seen failing with GREEDY_BELOW set to
-    0: logits / 1e-300 became NaN, torch.multinomial raised inside the step, and the
-    bystander streaming beside it got an in-band 500 error instead of its text."""
+    0 (and the per-sequence sampler of before c8dff72): logits / 1e-300 became NaN,
+    torch.multinomial raised inside the step, and the request got a 500 (RayTaskError
+    (RuntimeError)); the step's other requests fail with it, which the bystander checks."""
     want = offline.generate([PROMPT], greedy(offline, 40, ignore_eos=True))[0].text
     got = {}
 
