@@ -120,3 +120,12 @@ def test_unset_flags_leave_the_config_file_alone():
     parser = argparse.ArgumentParser()
     add_engine_arguments(parser)
     assert given_options(parser.parse_args([])) == {}
+
+
+def test_kv_dtype_names_follow_the_kv_table():
+    """app/config.py spells the KV table's names out (the table needs torch, the config must
+    not); a dtype added to app/kv/dtypes.py without its config name fails here."""
+    from app.config import KV_DTYPES
+    from app.kv.dtypes import CONFIG_NAMES
+
+    assert KV_DTYPES == CONFIG_NAMES

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from app.engine.block_hash import chain_keys, make_salt
 from app.engine.request import RequestDelta
 from app.engine.sampling_params import SamplingParams
+from app.kv.keys import chain_keys, make_salt
 from app.kvstore.store import StoredChunk
 
 

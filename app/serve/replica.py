@@ -14,7 +14,6 @@ from app.config import EngineConfig
 from app.engine.async_engine import AsyncEngine
 from app.engine.engine import Engine
 from app.kv.chunk import KVChunk
-from app.kv.keys import chain_keys, make_salt
 from app.kvstore.store import KVStoreClient, StoredChunk
 from app.kvstore.transfer import ChunkExpectation, FetchResult, fetch_verified
 from app.serve.autoscaling import autoscaling_stats
