@@ -15,6 +15,7 @@ from torch import nn
 from tqdm import tqdm
 
 from app.quant.apply import linear_modules
+from app.quant.fp8_linear import Fp8Linear, output_shards
 from app.quant.gptq import HessianAccumulator, quantize_gptq
 from app.quant.int4 import Int4Weight
 
@@ -61,15 +62,6 @@ def collect_hessians(
     return {n: a.h for n, a in accs.items()}
 
 
-def _shard_rows(layer: nn.Module, shard) -> tuple[int, int]:
-    """(row offset, rows) of one checkpoint projection inside a merged layer."""
-    if hasattr(layer, "n_heads") and hasattr(layer, "head_dim"):  # QKVParallelLinear
-        q, kv = layer.n_heads * layer.head_dim, layer.n_kv * layer.head_dim
-        return {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard]
-    sizes = layer.out_sizes  # MergedColumnParallelLinear
-    return sum(sizes[:shard]), sizes[shard]
-
-
 def split_to_checkpoint_names(model: nn.Module, name: str, qw: Int4Weight):
     """Our (possibly merged) module -> [(checkpoint module name, Int4Weight rows)]."""
     prefix, _, leaf = name.rpartition(".")
@@ -81,7 +73,15 @@ def split_to_checkpoint_names(model: nn.Module, name: str, qw: Int4Weight):
     ]
     if not parts:
         return [(name, qw)]
-    return [(ckpt, qw.rows(*_shard_rows(layer, shard))) for ckpt, shard in parts]
+    shards = output_shards(layer)
+    return [(ckpt, qw.rows(*shards[shard])) for ckpt, shard in parts]
+
+
+def dense_weight(layer: nn.Module) -> torch.Tensor:
+    """[N, K] float32: what GPTQ quantizes (an FP8 source layer's weight dequantized)."""
+    if isinstance(layer, Fp8Linear):
+        return layer.dequantized_weight(torch.float32)
+    return layer.weight.data
 
 
 def gptq_model(
@@ -108,7 +108,7 @@ def gptq_model(
             )
             continue
         qw = quantize_gptq(
-            layer.weight.data,
+            dense_weight(layer),
             hessians.pop(name),
             group_size,
             symmetric,

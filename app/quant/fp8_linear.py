@@ -72,6 +72,7 @@ class Fp8Linear(nn.Module):
         self.weight = _param(torch.zeros(n, k, dtype=FP8_DTYPE), self._loader)
         self.weight_scale_inv = _param(torch.ones(scale_shape), self._load_scale_rows)
         self.bias = _param(torch.zeros(n, dtype=self.params_dtype), self._loader) if bias else None
+        self.shards: dict = {}  # the replaced layer's `output_shards` (merged projections)
 
     @classmethod
     def like(cls, layer: nn.Module, block: tuple[int, int]) -> Fp8Linear:
@@ -79,7 +80,7 @@ class Fp8Linear(nn.Module):
         from app.models.layers import RowParallelLinear
 
         with torch.device(layer.weight.device):
-            return cls(
+            new = cls(
                 layer.in_features,
                 layer.out_features,
                 block,
@@ -91,6 +92,8 @@ class Fp8Linear(nn.Module):
                 reduce_output=isinstance(layer, RowParallelLinear) and layer.reduce_results,
                 gather_output=getattr(layer, "gather_output", False),
             )
+        new.shards = output_shards(layer)
+        return new
 
     def _load_scale_rows(self, param, rows: torch.Tensor, shard_id=None) -> None:
         """rows: [N_ckpt, K_blocks] float32, one scale row per checkpoint output row."""
@@ -137,6 +140,23 @@ class Fp8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, fp8 e4m3, block={self.block}"
+
+
+def output_shards(layer: nn.Module) -> dict:
+    """Loader shard id ("q"/"k"/"v", or 0..n-1) -> (local row offset, rows) of each checkpoint
+    projection merged into `layer`; {} for a plain linear. An `Fp8Linear` answers for the
+    merged layer it replaced (GPTQ splits its rows back into checkpoint names)."""
+    from app.models.layers import MergedColumnParallelLinear, QKVParallelLinear
+
+    if isinstance(layer, Fp8Linear):
+        return layer.shards
+    if isinstance(layer, QKVParallelLinear):
+        q, kv = layer.n_heads * layer.head_dim, layer.n_kv * layer.head_dim
+        return {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}
+    if isinstance(layer, MergedColumnParallelLinear):
+        sizes = layer.out_sizes
+        return {i: (sum(sizes[:i]), s) for i, s in enumerate(sizes)}
+    return {}
 
 
 def shard_rows(layer: nn.Module) -> list[tuple[int, int, int]]:

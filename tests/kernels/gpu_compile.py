@@ -30,10 +30,19 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 # Not `from kernels import int4_gemm`: that name is the dispatch function, not the module.
-attn_common, fp8_gemm, int4_gemm, kv_write, paged_decode, paged_prefill = (
+attn_common, fp8_gemm, fused_moe, int4_gemm, kv_write, paged_decode, paged_prefill = (
     importlib.import_module(f"kernels.{m}")
-    for m in ("attn_common", "fp8_gemm", "int4_gemm", "kv_write", "paged_decode", "paged_prefill")
+    for m in (
+        "attn_common",
+        "fp8_gemm",
+        "fused_moe",
+        "int4_gemm",
+        "kv_write",
+        "paged_decode",
+        "paged_prefill",
+    )
 )
+from kernels.moe_common import MoEWeights  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 TYPES = {
@@ -175,6 +184,45 @@ def fp8_gemm_launches(arch: int) -> list:
     return out
 
 
+def moe_weights(kind: str, arch: int, e=8, h=256, inter=128, group=128, zeros=False):
+    """Stacked experts of each kind; below sm_89 FP8 goes in as uint8 bits (as on an A100)."""
+    if kind == "dense":
+        return MoEWeights("dense", torch.zeros(e, 2 * inter, h, dtype=torch.bfloat16),
+                          torch.zeros(e, h, inter, dtype=torch.bfloat16))  # fmt: skip
+    if kind == "fp8":
+        w13, w2 = torch.zeros(e, 2 * inter, h, dtype=FP8), torch.zeros(e, h, inter, dtype=FP8)
+        if arch < 89:
+            w13, w2 = w13.view(torch.uint8), w2.view(torch.uint8)
+        s13, s2 = torch.zeros(e, 2, 2), torch.zeros(e, 2, 1)
+        return MoEWeights("fp8", w13, w2, s13, s2, block=(128, 128))
+    z = (lambda n, k: torch.zeros(e, n, k // group, dtype=torch.uint8)) if zeros else None
+    return MoEWeights(
+        "int4",
+        torch.zeros(e, 2 * inter, h // 8, dtype=torch.int32),
+        torch.zeros(e, h, inter // 8, dtype=torch.int32),
+        torch.zeros(e, 2 * inter, h // group, dtype=torch.bfloat16),
+        torch.zeros(e, h, inter // group, dtype=torch.bfloat16),
+        z and z(2 * inter, h),
+        z and z(h, inter),
+        group=group,
+    )
+
+
+def fused_moe_launches(arch: int) -> list:
+    """gate+up and down for each weight kind, at the decode (BLOCK_M 16) and prefill
+    (BLOCK_M 64) configs: 4 tokens x top-8 and 128 tokens x top-8."""
+    out = []
+    kinds = (("dense", {}), ("fp8", {}), ("int4", {}), ("int4", {"group": 32, "zeros": True}))
+    for kind, extra in kinds:
+        w = moe_weights(kind, arch, **extra)
+        for t in (4, 128):
+            x = torch.zeros(t, 256, dtype=torch.bfloat16)
+            ids = torch.arange(t * 8).remainder(8).view(t, 8)
+            topk = torch.full((t, 8), 0.125)
+            out += record(fused_moe, ["_moe_gemm_kernel"], fused_moe.fused_moe, x, topk, ids, w)
+    return out
+
+
 def launches(arch: int) -> list:
     """Every distinct launch; below sm_89 the FP8 cache goes in as uint8 bits."""
     real = attn_common.fp8_native
@@ -183,7 +231,7 @@ def launches(arch: int) -> list:
         out = attention_launches(FP8) + attention_launches(torch.bfloat16)
     finally:
         attn_common.fp8_native = real
-    return out + gemm_launches() + fp8_gemm_launches(arch)
+    return out + gemm_launches() + fp8_gemm_launches(arch) + fused_moe_launches(arch)
 
 
 def main(archs: list[int]) -> None:

@@ -107,6 +107,17 @@ def test_forced_tiles_span_experts_and_padding():
     _check(out, reference.fused_moe(x, tw, ids, w), torch.float32)
 
 
+@pytest.mark.parametrize("kind", ["fp8", "int4"])
+def test_prefill_config_matches_per_expert_loop(kind):
+    """66 tokens x top-8 = 528 pairs: the default prefill config (BLOCK_M 64, BLOCK_N 32)."""
+    gen = torch.Generator().manual_seed(3)
+    w = weights(kind, 8, 64, 64, torch.float32, gen)
+    x = torch.randn(66, 64, generator=gen)
+    tw, ids = routing(66, 8, 8, gen)
+    assert fused.choose_config(ids.numel())["BLOCK_M"] == 64
+    _check(fused.fused_moe(x, tw, ids, w), reference.fused_moe(x, tw, ids, w), torch.float32)
+
+
 def test_align_rows_pads_each_expert_to_the_tile():
     ids = torch.tensor([[2, 0], [2, 7], [0, 2]])  # expert 7 is another rank's
     rows, tiles = align_rows(ids, 3, 4)
