@@ -10,7 +10,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 from app.engine.engine import Engine
-from app.engine.request import Request, RequestDelta
+from app.engine.request import Request, RequestDelta, RequestError
 
 
 class AsyncEngine:
@@ -36,6 +36,8 @@ class AsyncEngine:
                 item = await queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                if item.error is not None:  # only this request failed (e.g. its KV import)
+                    raise RequestError(item.error)
                 yield item
                 if item.finished and self._all_done(request, item):
                     return

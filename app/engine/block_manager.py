@@ -10,7 +10,7 @@ collision, crafted or not, can never hand one prompt another prefix's KV.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from app.engine.sequence import Sequence
 from app.kv.keys import BlockHash, next_hash
@@ -21,6 +21,20 @@ class Block:
     block_id: int
     ref_count: int = 0
     hash: BlockHash | None = None  # set while the block is findable in the prefix cache
+
+
+@dataclass(slots=True)
+class ImportHold:
+    """Blocks pinned for one request's imported KV, from import until admission or abort."""
+
+    block_ids: list[int] = field(default_factory=list)  # in prompt order, whole blocks
+    hashes: list[BlockHash] = field(default_factory=list)
+    fresh: list[int] = field(default_factory=list)  # indices the transfer worker writes
+    ready: bool = False  # written and committed: the request may be admitted
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_ids)
 
 
 @dataclass(slots=True)
@@ -40,6 +54,7 @@ class BlockManager:
         self.free_plain: deque[int] = deque(range(num_blocks))  # hold nothing reusable
         self.free_cached: OrderedDict[int, None] = OrderedDict()  # LRU first
         self.cached: dict[bytes, int] = {}
+        self.num_held = 0  # blocks pinned by imports waiting for admission
         self.stats = PrefixCacheStats()
 
     @property
@@ -111,18 +126,49 @@ class BlockManager:
         self.cached[h.key] = block.block_id
         return True
 
-    # --- import: KV computed elsewhere (app/engine/kv_transfer.py) -------------------
-    def is_cached(self, h: BlockHash) -> bool:
-        return not self.enable_prefix_caching or h.key in self.cached
+    # --- import / export: KV that crosses processes (app/engine/transfers.py) ----------
+    def hold_for_import(self, hashes: list[BlockHash], max_held: int) -> ImportHold:
+        """Pins a block for each of hashes, in order: the cached one if the prefix cache
+        has it, else a fresh one for the transfer worker to write (findable only once
+        commit_import says it was written and verified). Stops when the pool is short or
+        max_held blocks are held by imports. Held until release_hold (admission or abort)."""
+        hold = ImportHold()
+        for h in hashes if self.enable_prefix_caching else ():
+            if self.num_held + 1 > max_held:
+                break
+            block = self.lookup(h)
+            if block is not None:
+                self._pin(block)
+            elif self.num_free == 0:
+                break
+            else:
+                block = self._take()
+                hold.fresh.append(len(hold.block_ids))
+            hold.block_ids.append(block.block_id)
+            hold.hashes.append(h)
+            self.num_held += 1
+        return hold
 
-    def take_for_import(self, h: BlockHash) -> int | None:
-        """A fresh block registered under h, pinned until release(); None if the pool is
-        short. The caller writes the block's KV before anything else can look it up."""
-        if self.num_free == 0:
-            return None
-        block = self._take()
-        self._register(block, h)
-        return block.block_id
+    def commit_import(self, hold: ImportHold, num_valid: int) -> None:
+        """The worker wrote the fresh blocks: those among the first num_valid become findable
+        (the rest, after a chunk that failed its tag, stay anonymous); admission may run."""
+        for i in hold.fresh:
+            if i < num_valid:
+                self._register(self.blocks[hold.block_ids[i]], hold.hashes[i])
+        hold.ready = True
+
+    def release_hold(self, hold: ImportHold) -> None:
+        """Unpins an import's blocks (idempotent): after admission pinned them again, or on
+        abort / failure (then the blocks go back to the pool)."""
+        self.num_held -= len(hold.block_ids)
+        self.release(hold.block_ids)
+        hold.block_ids, hold.hashes, hold.fresh = [], [], []
+
+    def hand_over(self, seq: Sequence) -> list[int]:
+        """seq's blocks, still pinned, for an export to read after seq ends; the exporter
+        gives them back with release()."""
+        block_ids, seq.block_table = seq.block_table, []
+        return block_ids
 
     # --- allocation ---------------------------------------------------------------
     def ensure_slots(self, seq: Sequence, num_tokens: int) -> bool:

@@ -17,7 +17,7 @@ from app.engine.block_manager import BlockManager
 from app.engine.detokenizer import IncrementalDetokenizer
 from app.engine.fingerprint import eos_token_ids, model_fingerprint
 from app.engine.kv_cache import KVCache
-from app.engine.kv_transfer import ChunkFormat, export_chunks, import_chunks
+from app.engine.kv_transfer import ChunkFormat
 from app.engine.model_runner import ModelRunner
 from app.engine.outputs import OutputProcessor
 from app.engine.request import Request, RequestDelta
@@ -31,6 +31,7 @@ from app.engine.spec.factory import extra_block_bytes, make_speculator, uses_mtp
 from app.engine.step import execute, plan_step
 from app.engine.structured.manager import StructuredOutputs
 from app.engine.tp_driver import DriverRunner, ShardedKVCache, min_over_ranks
+from app.engine.transfers import Transfers
 from app.engine.workers import start_local_workers
 from app.kv.keys import make_salt
 from app.models.parallel import SINGLE
@@ -76,6 +77,10 @@ class Engine:
             self.cache.num_blocks, self.kv_spec.block_size, config.cache.enable_prefix_caching
         )
         self.scheduler = Scheduler(config.scheduler, self.blocks)
+        inline = self.tp_group is not None  # TP cache I/O is a collective: keep it in order
+        self.transfers = Transfers(
+            self.blocks, self.cache, self.chunk_format, self.device, inline=inline
+        )
         eos = eos_token_ids(
             config.model, self.model_config.eos_token_ids, self.tokenizer.eos_token_ids
         )
@@ -105,6 +110,8 @@ class Engine:
             group.shutdown()
         if getattr(self, "structured", None) is not None:
             self.structured.shutdown()
+        if getattr(self, "transfers", None) is not None:
+            self.transfers.shutdown()
 
     # --- the engine API -----------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -127,9 +134,10 @@ class Engine:
         if p.structured is not None:  # validates now (bad schema: ValueError), compiles later
             self.structured.attach(seqs, p.structured, request.prior_output_ids)
         self.scheduler.add(seqs)
-        if request.kv_import:
-            args = (self.blocks, self.cache, self.chunk_format, request.request_id)
-            import_chunks(*args, request.prompt_token_ids, request.kv_import, salt)
+        if request.kv_import:  # written off the step; pinned until admission
+            seqs[0].kv_hold = self.transfers.start_import(
+                request.request_id, request.prompt_token_ids, request.kv_import, salt
+            )
         self.seqs[request.request_id] = seqs
 
     def _validate(self, request: Request) -> None:
@@ -152,12 +160,20 @@ class Engine:
             )
 
     def abort(self, request_id: str) -> None:
-        """Stops a request now and frees its KV blocks; a final 'abort' delta follows."""
-        for seq in self.seqs.pop(request_id, []):
+        """Stops a request now and frees its KV blocks (those of a KV transfer in flight
+        once the transfer worker lets go of them); a final 'abort' delta follows."""
+        self._end_request(request_id, "abort")
+
+    def _end_request(self, request_id: str, reason: str, error: str | None = None) -> None:
+        seqs = self.seqs.pop(request_id, [])
+        self._pending += self.transfers.cancel(request_id, seqs)
+        for seq in seqs:
             if not seq.finished:
                 self.scheduler.remove(seq)
-                seq.status, seq.finish_reason = SeqStatus.FINISHED, "abort"
-                self._pending.append(self.outputs.final_delta(seq))
+                seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
+                delta = self.outputs.final_delta(seq)
+                delta.error = error
+                self._pending.append(delta)
 
     def _end(self, seq: Sequence, reason: str) -> None:
         """Ends one sequence without a new token (e.g. its grammar failed to compile)."""
@@ -166,18 +182,23 @@ class Engine:
         self._finish(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.seqs) or bool(self._pending)
+        return bool(self.seqs) or bool(self._pending) or self.transfers.busy
 
     def step(self) -> list[RequestDelta]:
         for seq, why in self.structured.poll():
             log.warning("request %s: %s", seq.request_id, why)
             self._end(seq, "abort")
-        deltas, self._pending = self._pending, []
+        exported, failed = self.transfers.poll()  # finished KV transfers (side thread)
+        for request_id, error in failed:
+            self._end_request(request_id, "error", error)
+        deltas, self._pending = self._pending + exported, []
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
         out = self.scheduler.schedule()
         if not out.scheduled:
-            if self.structured.compiling and not deltas:
+            if self.transfers.busy and not deltas:
+                self.transfers.wait(0.02)  # idle until a KV transfer finishes
+            elif self.structured.compiling and not deltas:
                 self.structured.wait(0.05)  # idle until a grammar compiles; no busy loop
             return deltas
         starts = [seq.num_computed_tokens for seq, _ in out.scheduled]
@@ -202,12 +223,11 @@ class Engine:
             delta = self._emit(seq, tokens)
             if delta is None:
                 continue
-            if seq.request.prefill_only:  # hand the prompt's KV over, then stop
-                prompt = seq.token_ids[: seq.num_prompt_tokens]
-                delta.exported_chunks = export_chunks(
-                    self.cache, self.chunk_format, prompt, seq.block_table, seq.salt
-                )
+            if seq.request.prefill_only:  # hand the prompt's KV over (off the step), stop
                 delta.finished, seq.status = True, SeqStatus.FINISHED
+                self.transfers.start_export(seq, delta)  # the delta returns with the chunks
+                self._finish(seq)
+                continue
             if seq.finished:
                 self._finish(seq)
             deltas.append(delta)

@@ -1,8 +1,11 @@
-"""KV import/export between the paged cache and KVChunks (the disaggregation seams; no Ray).
+"""KV import/export between the paged cache and KVChunks (the disaggregation seams; no Ray,
+no Engine: the BlockManager owns the blocks, app/engine/transfers.py runs these off the step).
 
-Import: a request's ``kv_import`` chunks are written into fresh blocks that the BlockManager
-registers in the prefix cache and that are then released (ref count 0), so the normal prefix
-match at admission pins them and only the uncovered tokens are computed. Every chunk's key
+Import: ``plan_import`` checks a request's ``kv_import`` chunks against its prompt (header
+work only); the BlockManager pins a block per whole block (``hold_for_import``), the
+transfer worker writes the fresh ones (``write_import``), and the BlockManager makes them
+findable (``commit_import``); admission's prefix match pins them again and the hold is
+dropped, so only the uncovered tokens are computed. Every chunk's key
 and prefix digest are recomputed from the request's own prompt and salt, so a chunk made for
 another model, format, tenant (cache_salt) or earlier prefix is never used: the digest
 covers every token from position 0, not only the chunk's own. Only whole blocks are
@@ -18,7 +21,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from app.engine.block_manager import BlockManager
+import torch
+
 from app.engine.kv_cache import KVCache
 from app.kv.chunk import ChunkMeta, ChunkMismatchError, KVChunk
 from app.kv.keys import BlockHash, chain_hashes, chunk_hash, next_hash
@@ -44,43 +48,52 @@ class ChunkFormat:
         return num_tokens % self.spec.block_size == 0 and num_tokens >= self.chunk_tokens
 
 
-def import_chunks(
-    blocks: BlockManager,
-    cache: KVCache,
-    fmt: ChunkFormat,
-    request_id: str,
-    prompt: list[int],
-    chunks: list[KVChunk],
-    salt: bytes,
-) -> int:
-    """Registers the chunks' whole blocks in the prefix cache; returns the tokens covered.
+def plan_import(
+    fmt: ChunkFormat, request_id: str, prompt: list[int], chunks: list[KVChunk], salt: bytes
+) -> tuple[list[KVChunk], list[BlockHash]]:
+    """The chunks that continue the prompt under this salt, and the hashes of the whole
+    blocks they cover (a partial block at the end is recomputed). Header work only: no
+    payload byte is touched, so this runs on the caller's thread.
 
     Stops at the first chunk that does not continue the prompt under this salt.
     """
     bs, pos, parent = fmt.spec.block_size, 0, None
+    run: list[KVChunk] = []
+    hashes: list[BlockHash] = []
     for chunk in chunks:
         try:
-            hashes = _verified_hashes(fmt, chunk, prompt, pos, parent, salt)
+            chunk_hashes = _verified_hashes(fmt, chunk, prompt, pos, parent, salt)
         except ChunkMismatchError as e:
             log.warning("kv_import of %s stopped at token %d: %s", request_id, pos, e)
             break
-        kv, scales = chunk.to_tensors()  # kv: [L, P, n, Hkv, D]
-        for j, h in enumerate(hashes):
-            if blocks.is_cached(h):
-                continue
-            block_id = blocks.take_for_import(h)
-            if block_id is None:  # pool full: the rest is recomputed
-                return pos + j * bs
-            sl = slice(j * bs, (j + 1) * bs)
-            sc = None if scales is None else scales[:, :, sl]
-            cache.write_tokens([block_id], kv[:, :, sl], sc)
-            blocks.release([block_id])
+        run.append(chunk)
         n = chunk.meta.num_tokens
+        hashes += chunk_hashes[: n // bs]
         pos += n
         if n % bs:  # a partial block ends the importable prefix
-            return pos - n % bs
-        parent = hashes[-1]
-    return pos
+            break
+        parent = chunk_hashes[-1]
+    return run, hashes
+
+
+def write_import(cache: KVCache, fmt: ChunkFormat, chunks: list[KVChunk], hold) -> int:
+    """Writes the hold's fresh blocks from chunks (the transfer worker's half of an import;
+    hold: block_manager.ImportHold over chunks' whole blocks, in order). Returns how many of
+    the hold's blocks are valid: all of them, or those before the first chunk whose tag
+    does not match its bytes."""
+    bs, first, fresh = fmt.spec.block_size, 0, set(hold.fresh)
+    for chunk in chunks:
+        mine = range(first, min(first + chunk.meta.num_tokens // bs, hold.num_blocks))
+        if not mine:
+            break
+        kv, scales = chunk.to_tensors()  # kv: [L, P, n, Hkv, D], CPU views of the payload
+        for i in mine:
+            if i in fresh:
+                sl = slice((i - first) * bs, (i - first + 1) * bs)
+                sc = None if scales is None else scales[:, :, sl]
+                cache.write_tokens([hold.block_ids[i]], kv[:, :, sl], sc)
+        first = mine.stop
+    return hold.num_blocks
 
 
 def _verified_hashes(
@@ -106,8 +119,15 @@ def export_chunks(
     cache: KVCache, fmt: ChunkFormat, token_ids: list[int], block_table: list[int], salt: bytes
 ) -> list[KVChunk]:
     """token_ids' KV as chunks of chunk_tokens (full ones, then a partial last one)."""
+    kv, scales = cache.read_tokens(block_table, len(token_ids))  # [L, P, n, Hkv, D]
+    return encode_chunks(fmt, token_ids, kv, scales, salt)
+
+
+def encode_chunks(
+    fmt: ChunkFormat, token_ids: list[int], kv: torch.Tensor, scales, salt: bytes
+) -> list[KVChunk]:
+    """kv [L, P, n, Hkv, D] (scales [L, P, n, Hkv] or None) of token_ids -> chunks."""
     n, ct = len(token_ids), fmt.chunk_tokens
-    kv, scales = cache.read_tokens(block_table, n)  # [L, P, n, Hkv, D]
     chunks, parent = [], None
     for start in range(0, n, ct):
         end = min(start + ct, n)

@@ -12,6 +12,10 @@ class OverloadedError(RuntimeError):
     """The waiting queue is full; the caller should retry later (HTTP 429 / RESOURCE_EXHAUSTED)."""
 
 
+class RequestError(RuntimeError):
+    """One request failed inside the engine (e.g. its KV transfer); others carry on."""
+
+
 @dataclass(slots=True)
 class Request:
     request_id: str
@@ -46,6 +50,7 @@ class RequestDelta:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     exported_chunks: list[Any] | None = None
+    error: str | None = None  # finish_reason "error": why this request failed (only it)
 
 
 @dataclass(slots=True)

@@ -85,6 +85,8 @@ class Scheduler:
                 continue
             if seq.grammar is not None and not seq.grammar.ready:
                 continue  # its grammar is still compiling (off the step loop)
+            if seq.kv_hold is not None and not seq.kv_hold.ready:
+                continue  # its imported KV is still being written (app/engine/transfers.py)
             if not seq.block_table:
                 self.blocks.match_prefix(seq)
             n = min(seq.num_uncomputed, budget, self.config.long_prefill_chunk)
@@ -93,6 +95,9 @@ class Scheduler:
                 seq.reset_for_recompute()
                 return
             self.waiting.remove(seq)
+            if seq.kv_hold is not None:  # match_prefix pinned the imported blocks again
+                self.blocks.release_hold(seq.kv_hold)
+                seq.kv_hold = None
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append((seq, n))

@@ -1,0 +1,225 @@
+"""KV transfer off the step: a side thread (on CUDA, a side stream) imports and exports
+chunks while the engine keeps stepping (no Ray).
+
+The step thread only plans and hands jobs over; the worker does the payload work (reading
+the cache and encoding chunks, or writing imported chunks into pinned blocks) and posts the
+result to a done queue. Everything that touches the BlockManager or a sequence happens on
+the step thread, in ``poll`` at the start of each step, so the BlockManager stays
+single-threaded:
+
+- export: the sequence's blocks stay pinned (``hand_over``) until the worker has read them;
+  the first-token delta comes back from ``poll`` with ``exported_chunks`` set;
+- import: ``hold_for_import`` pins every block from import until admission
+  (``Scheduler._admit`` drops the hold once the prefix match pinned them again), fresh
+  blocks become findable only after the worker wrote them (``commit_import``);
+- abort: a job is marked cancelled and its blocks go back when the worker lets go of them;
+- a worker error fails only its request (``poll`` returns it; the engine ends the request
+  with finish_reason "error").
+
+On CUDA the step records an event on the compute stream when it hands a job over; the side
+stream waits for it (the KV it reads is written, the blocks it writes are no longer read),
+and an import's own event is waited on by the compute stream before the blocks are used.
+Tensor-parallel replicas (``inline``) run jobs on the step thread: their cache I/O is a
+collective with the worker ranks and must stay ordered with the steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from app.engine.block_manager import BlockManager, ImportHold
+from app.engine.kv_cache import KVCache
+from app.engine.kv_transfer import ChunkFormat, encode_chunks, plan_import, write_import
+from app.engine.request import RequestDelta
+from app.engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False, slots=True)
+class ExportJob:
+    request_id: str
+    delta: RequestDelta  # the first token's delta, returned with the chunks
+    token_ids: list[int]  # the prompt
+    block_ids: list[int]  # pinned until the worker has read them
+    salt: bytes
+    after: Any = None  # CUDA event: the step that wrote the KV
+    cancelled: bool = False
+
+
+@dataclass(eq=False, slots=True)
+class ImportJob:
+    request_id: str
+    chunks: list  # KVChunks that continue the prompt (plan_import)
+    hold: ImportHold
+    after: Any = None  # CUDA event: blocks handed over are no longer read by the step
+    cancelled: bool = False
+
+
+class Transfers:
+    def __init__(
+        self, blocks: BlockManager, cache: KVCache, fmt: ChunkFormat, device, inline: bool
+    ):
+        self.blocks, self.cache, self.fmt = blocks, cache, fmt
+        self.inline = inline
+        self.cuda = torch.device(device).type == "cuda" and not inline
+        self.max_held = max(1, blocks.num_blocks // 2)  # imports never pin the whole pool
+        self._jobs: dict[str, list] = {}  # request id -> jobs the worker has not finished
+        self._todo: queue.SimpleQueue = queue.SimpleQueue()
+        self._done: queue.SimpleQueue = queue.SimpleQueue()  # (job, result, error)
+        self._signal = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stream = None
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._jobs)
+
+    # --- step thread ----------------------------------------------------------------
+    def start_import(self, request_id: str, prompt, chunks, salt: bytes) -> ImportHold | None:
+        """Pins the blocks the chunks cover and hands the writes to the worker; the request
+        may be admitted once the hold is ready. None: nothing to import."""
+        run, hashes = plan_import(self.fmt, request_id, prompt, chunks, salt)
+        hold = self.blocks.hold_for_import(hashes, self.max_held)
+        if not hold.block_ids:
+            return None
+        if not hold.fresh:  # all cached here already: only the pin was needed
+            self.blocks.commit_import(hold, hold.num_blocks)
+            return hold
+        self._submit(ImportJob(request_id, run, hold, self._event()))
+        return hold
+
+    def start_export(self, seq: Sequence, delta: RequestDelta) -> None:
+        """Takes seq's blocks; poll returns delta with the chunks once they are encoded."""
+        prompt = seq.token_ids[: seq.num_prompt_tokens]
+        block_ids = self.blocks.hand_over(seq)
+        self._submit(ExportJob(seq.request_id, delta, prompt, block_ids, seq.salt, self._event()))
+
+    def cancel(self, request_id: str, seqs: list[Sequence]) -> list[RequestDelta]:
+        """Abort: pending jobs give their blocks back when the worker is done with them; a
+        ready import hold now. Returns the closing deltas of exports in flight."""
+        for seq in seqs:
+            if seq.kv_hold is not None and seq.kv_hold.ready:
+                self.blocks.release_hold(seq.kv_hold)
+            seq.kv_hold = None
+        closing = []
+        for job in self._jobs.get(request_id, []):
+            job.cancelled = True
+            if isinstance(job, ExportJob):
+                closing.append(_ended(job.delta, "abort"))
+        return closing
+
+    def poll(self) -> tuple[list[RequestDelta], list[tuple[str, str]]]:
+        """Applies finished jobs: (export deltas, [(request id, error)] of failed imports)."""
+        deltas, failed = [], []
+        while True:
+            try:
+                job, result, error = self._done.get_nowait()
+            except queue.Empty:
+                return deltas, failed
+            jobs = self._jobs[job.request_id]
+            jobs.remove(job)
+            if not jobs:
+                del self._jobs[job.request_id]
+            if isinstance(job, ExportJob):
+                self.blocks.release(job.block_ids)
+                if not job.cancelled:
+                    deltas.append(_exported(job.delta, result, error))
+            elif job.cancelled or error is not None:
+                self.blocks.release_hold(job.hold)
+                if not job.cancelled:
+                    failed.append((job.request_id, f"KV import failed: {error}"))
+            else:
+                num_valid, written = result
+                if written is not None:  # the compute stream waits for the side stream
+                    torch.cuda.current_stream().wait_event(written)
+                self.blocks.commit_import(job.hold, num_valid)
+
+    def wait(self, timeout: float) -> None:
+        """Idles until a job finishes (or timeout): a step with nothing to run."""
+        self._signal.clear()
+        if self._done.empty():
+            self._signal.wait(timeout)
+
+    def shutdown(self) -> None:
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            self._todo.put(None)
+            thread.join(timeout=5)
+
+    def _event(self):
+        if not self.cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record()  # on the step's (compute) stream
+        return event
+
+    def _submit(self, job) -> None:
+        self._jobs.setdefault(job.request_id, []).append(job)
+        if self.inline:
+            self._done.put((job, *self._run(job)))
+            return
+        if self._thread is None:
+            if self.cuda:
+                self._stream = torch.cuda.Stream(self.cache.kv.device)
+            self._thread = threading.Thread(target=self._loop, name="kv-transfer", daemon=True)
+            self._thread.start()
+        self._todo.put(job)
+
+    # --- worker thread --------------------------------------------------------------
+    def _loop(self) -> None:
+        while (job := self._todo.get()) is not None:
+            self._done.put((job, *self._run(job)))
+            self._signal.set()
+
+    def _run(self, job) -> tuple[Any, BaseException | None]:
+        """(result, None) or (None, error): never raises, so no job is left hanging."""
+        try:
+            if self._stream is None:
+                return self._work(job), None
+            with torch.cuda.stream(self._stream):
+                self._stream.wait_event(job.after)
+                return self._work(job), None
+        except Exception as e:  # noqa: BLE001 - reported to the request, not the engine
+            log.exception("KV transfer of request %s failed", job.request_id)
+            return None, e
+
+    def _work(self, job):
+        if isinstance(job, ExportJob):
+            kv, scales = self.cache.read_tokens(job.block_ids, len(job.token_ids))
+            if kv.device.type != "cpu":  # the chunk payload is host memory
+                kv, scales = kv.cpu(), None if scales is None else scales.cpu()
+            return encode_chunks(self.fmt, job.token_ids, kv, scales, job.salt)
+        num_valid = write_import(self.cache, self.fmt, job.chunks, job.hold)
+        written = None
+        if self._stream is not None:
+            written = torch.cuda.Event()
+            written.record(self._stream)
+        return num_valid, written
+
+
+def _exported(delta: RequestDelta, chunks, error) -> RequestDelta:
+    if error is not None:
+        return _ended(delta, "error", f"KV export failed: {error}")
+    return dataclasses.replace(delta, exported_chunks=chunks)
+
+
+def _ended(delta: RequestDelta, reason: str, error: str | None = None) -> RequestDelta:
+    """The closing delta of an export that did not deliver: no token, no chunks."""
+    return dataclasses.replace(
+        delta,
+        new_token_ids=[],
+        text_delta="",
+        logprobs=None,
+        finished=True,
+        finish_reason=reason,
+        exported_chunks=None,
+        error=error,
+    )

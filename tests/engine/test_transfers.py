@@ -1,0 +1,175 @@
+"""KV transfer off the step (app/engine/transfers.py): pins, aborts and failures (no Ray).
+
+A gate (threading.Event) holds the transfer worker inside a job, so "while an export /
+import is pending" is a state the test controls, not a race it hopes to win.
+"""
+
+import asyncio
+import threading
+
+import pytest
+
+from app.config import CacheConfig, EngineConfig, SchedulerConfig
+from app.engine import transfers
+from app.engine.async_engine import AsyncEngine
+from app.engine.engine import Engine
+from app.engine.request import Request, RequestError
+from app.engine.sampling_params import SamplingParams
+from app.kv.keys import chain_hashes, make_salt
+
+PROMPT = [3 + (i * 7) % 300 for i in range(75)]  # chunks of 32 + 32 + 11 tokens
+GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+
+def make_engine(path, num_blocks=None, max_num_seqs=8) -> Engine:
+    budget = 2 << 20
+    if num_blocks is not None:
+        probe = make_engine(path)
+        budget = num_blocks * probe.kv_spec.bytes_per_block()
+    cache = CacheConfig(block_size=16, kv_cache_memory_bytes=budget, chunk_tokens=32)
+    sched = SchedulerConfig(max_num_seqs=max_num_seqs)
+    config = EngineConfig(model=path, dtype="float32", device="cpu", cache=cache, scheduler=sched)
+    return Engine(config)
+
+
+def drain(engine: Engine) -> dict[str, list]:
+    by_request: dict[str, list] = {}
+    while engine.has_unfinished():
+        for d in engine.step():
+            by_request.setdefault(d.request_id, []).append(d)
+    return by_request
+
+
+def tokens(deltas) -> list[int]:
+    return [t for d in deltas for t in d.new_token_ids]
+
+
+def gated(monkeypatch, name: str) -> threading.Event:
+    """Makes the worker's `name` (write_import / encode_chunks) wait until the gate opens."""
+    gate, real = threading.Event(), getattr(transfers, name)
+
+    def wait_then_run(*args):
+        assert gate.wait(60), "test gate never opened"
+        return real(*args)
+
+    monkeypatch.setattr(transfers, name, wait_then_run)
+    return gate
+
+
+@pytest.fixture(scope="module")
+def prefill(llama_path):
+    return make_engine(llama_path)
+
+
+@pytest.fixture(scope="module")
+def exported(prefill):
+    """The prompt's first token and chunks, exported by a prefill-only request."""
+    prefill.add_request(Request("p", PROMPT, GREEDY, prefill_only=True))
+    (first,) = drain(prefill)["p"]
+    return first.new_token_ids, first.exported_chunks
+
+
+@pytest.fixture(scope="module")
+def reference(llama_path):
+    engine = make_engine(llama_path)
+    engine.add_request(Request("ref", PROMPT, GREEDY))
+    engine.add_request(Request("other", PROMPT[::-1], GREEDY))
+    done = drain(engine)
+    return tokens(done["ref"]), tokens(done["other"])
+
+
+def test_imported_blocks_stay_pinned_until_admission(llama_path, exported, reference):
+    """A waits behind C and B (max_num_seqs=1) with 4 imported blocks; when B is admitted
+    the pool is short and must evict a cached block. A's blocks are held, so C's go.
+
+    Seen failing: with the hold dropped right after the write (commit_import releasing it,
+    as the import did before), B evicted A's first block and A ran with 0 cached tokens."""
+    first, chunks = exported
+    decode = make_engine(llama_path, num_blocks=12, max_num_seqs=1)
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    decode.add_request(Request("c", [5 + i % 250 for i in range(80)], GREEDY))
+    decode.step()  # C runs (5 blocks)
+    decode.add_request(Request("b", [7 + i % 240 for i in range(80)], one))
+    decode.add_request(Request("a", PROMPT + first, GREEDY, kv_import=chunks))
+    assert decode.blocks.num_held == 4
+    done = drain(decode)
+    assert decode.blocks.stats.evictions >= 1  # B did have to evict a cached block
+    assert done["a"][0].num_cached_tokens == 64  # every imported block was still there
+    assert first + tokens(done["a"])[: GREEDY.max_tokens - 1] == reference[0]
+    assert decode.blocks.num_free == decode.blocks.num_blocks and decode.blocks.num_held == 0
+
+
+def test_abort_while_import_pending_frees_every_block(llama_path, exported, monkeypatch):
+    """Seen failing: with poll() not releasing a cancelled job's hold, 4 blocks stayed
+    pinned after the drain (num_free 4 short of the pool)."""
+    first, chunks = exported
+    gate = gated(monkeypatch, "write_import")
+    decode = make_engine(llama_path)
+    decode.add_request(Request("a", PROMPT + first, GREEDY, kv_import=chunks))
+    assert decode.step() == [] and decode.blocks.num_held == 4  # A may not run yet
+    decode.abort("a")
+    (closing,) = decode.step()
+    assert closing.finish_reason == "abort"
+    # the worker is still writing into A's blocks: they must not be reused yet
+    assert decode.has_unfinished() and decode.blocks.num_held == 4
+    gate.set()
+    drain(decode)
+    assert decode.blocks.num_free == decode.blocks.num_blocks and decode.blocks.num_held == 0
+    salt = make_salt(*decode.salt_base, None)
+    assert not any(h.key in decode.blocks.cached for h in chain_hashes(PROMPT, 16, salt))
+
+
+def test_step_does_not_wait_for_export_and_abort_frees_its_blocks(
+    llama_path, reference, monkeypatch
+):
+    """While the worker is stuck encoding P's chunks, another request decodes to the end:
+    the step never waits for the export. Aborting P then frees its pinned blocks.
+
+    Seen failing: with the export's blocks released at hand-over instead of by poll(), the
+    pool was full again while the worker still read them (num_free == num_blocks)."""
+    gate = gated(monkeypatch, "encode_chunks")
+    engine = make_engine(llama_path)
+    engine.add_request(Request("p", PROMPT, GREEDY, prefill_only=True))
+    engine.add_request(Request("other", PROMPT[::-1], GREEDY))
+    got: list = []
+    while not engine.transfers.busy or len(tokens(got)) < GREEDY.max_tokens:
+        got += [d for d in engine.step() if d.request_id == "other"]
+    assert tokens(got) == reference[1] and got[-1].finished
+    assert engine.blocks.num_free < engine.blocks.num_blocks  # P's blocks: pinned for export
+    engine.abort("p")
+    (closing,) = engine.step()
+    assert closing.finish_reason == "abort" and closing.exported_chunks is None
+    gate.set()
+    assert drain(engine) == {}  # the cancelled export delivers nothing
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+@pytest.mark.parametrize("where", ["write_import", "encode_chunks"])
+def test_worker_failure_fails_only_its_request(llama_path, exported, reference, where, monkeypatch):
+    """Seen failing: with Transfers._run re-raising instead of returning the error, the
+    worker thread died, the job never finished and the request hung (wait_for timed out)."""
+    first, chunks = exported
+
+    def boom(*args):
+        raise RuntimeError("disk on fire")
+
+    monkeypatch.setattr(transfers, where, boom)
+    engine = AsyncEngine(make_engine(llama_path))
+    bad = (
+        Request("bad", PROMPT + first, GREEDY, kv_import=chunks)
+        if where == "write_import"
+        else Request("bad", PROMPT, GREEDY, prefill_only=True)
+    )
+
+    async def collect(request):
+        return [d async for d in engine.generate(request)]
+
+    async def both():
+        runs = [collect(bad), collect(Request("other", PROMPT[::-1], GREEDY))]
+        return await asyncio.wait_for(asyncio.gather(*runs, return_exceptions=True), 120)
+
+    failed, other = asyncio.run(both())
+    assert isinstance(failed, RequestError) and "disk on fire" in str(failed)
+    assert tokens(other) == reference[1]
+    blocks = engine.engine.blocks
+    assert blocks.num_free == blocks.num_blocks and blocks.num_held == 0
