@@ -240,6 +240,7 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | None = opt(
         None, "speculative decoding: SpeculativeConfig's fields, e.g. {method: ngram}"
     )
+    enforce_eager: bool = opt(False, "no CUDA graphs: decode steps run eagerly (CUDA only)")
 
     def __post_init__(self):
         self.speculative_config = SpeculativeConfig.from_any(self.speculative_config)

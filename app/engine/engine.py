@@ -95,6 +95,10 @@ class Engine:
         if self.tp_group is None:
             self.cache = KVCache(self.kv_spec, num_blocks, self.device)
             self.runner = ModelRunner(args[0], self.cache, *args[1:])
+            if self.device.type == "cuda" and not self.config.enforce_eager:
+                mc = self.model_config  # decode graphs per batch bucket, before any request
+                max_len, vocab = mc.max_position_embeddings, mc.vocab_size
+                self.runner.enable_graphs(self.config.scheduler.max_num_seqs, max_len, vocab)
         else:  # rank 0 of a tensor-parallel replica: both also drive the other ranks
             self.cache = ShardedKVCache(self.kv_spec, num_blocks, self.device, self.tp_group)
             self.runner = DriverRunner(args[0], self.cache, *args[1:], self.tp_group)

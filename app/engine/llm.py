@@ -22,7 +22,8 @@ class LLM:
         (app/options.py lists them: dtype, device, kv_cache_dtype, kv_cache_memory_bytes,
         block_size, enable_prefix_caching, max_num_seqs, max_num_batched_tokens,
         long_prefill_chunk, max_waiting, weight_quant, attention_backend,
-        tensor_parallel_size, speculative_config, ...); unknown names raise TypeError.
+        tensor_parallel_size, speculative_config, enforce_eager, ...); unknown names raise
+        TypeError.
 
         tensor_parallel_size > 1 starts that many local ranks (this process is rank 0;
         gloo on CPU, NCCL on GPUs); call shutdown() or use `with LLM(...) as llm:`."""

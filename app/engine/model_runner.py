@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from app.engine.attention import AttentionMetadata, PagedAttention
+from app.engine.cuda_graphs import DecodeGraphs, bucket_sizes
 from app.engine.kv_cache import KVCache
 from app.engine.step import StepOutput, StepPlan
 from app.models.hooks import attn_scale
@@ -33,6 +34,21 @@ class ModelRunner:
         self.scale = attn_scale(model, head_dim)
         self.block_size = cache.spec.block_size
         self.keep_hidden, self.last_hidden = False, None
+        self.graphs: DecodeGraphs | None = None  # decode replays (enable_graphs)
+
+    def enable_graphs(self, max_batch: int, max_len: int, vocab: int, capture=None) -> None:
+        """Captures one decode graph per batch bucket up to max_batch (app/engine/cuda_graphs.py).
+        capture None = CUDA graphs."""
+        width = -(-max_len // self.block_size)
+        buckets = bucket_sizes(max_batch)
+        with torch.inference_mode():
+            self.graphs = DecodeGraphs(
+                self._logits_of_all_rows, buckets, width, vocab, self.device, capture
+            )
+
+    def _logits_of_all_rows(self, ids, positions, meta: AttentionMetadata) -> torch.Tensor:
+        attn = PagedAttention(self.ops, self.cache, meta, self.scale)
+        return self.model.compute_logits(self.model(ids, positions, attn))
 
     def inputs(self, plan: StepPlan) -> BatchInputs:
         meta = AttentionMetadata(
@@ -51,7 +67,12 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> StepOutput:
         """One forward pass -> logits [S, vocab] float32 of plan.sample_rows."""
-        return StepOutput(self.forward(self.inputs(plan)), plan.sampled)
+        logits = None
+        if self.graphs is not None and not self.keep_hidden:  # MTP reads every hidden row
+            logits = self.graphs.run(plan)  # None: not a decode step that fits a bucket
+        if logits is None:
+            logits = self.forward(self.inputs(plan))
+        return StepOutput(logits, plan.sampled)
 
     @torch.inference_mode()
     def forward(self, inp: BatchInputs) -> torch.Tensor:
