@@ -21,6 +21,7 @@ VALID = {
     "tensor_parallel_size": 2,
     "enable_expert_parallel": True,
     "seed": 7,
+    "enforce_eager": True,
     "speculative_config": {"method": "ngram", "num_speculative_tokens": 2},
     "block_size": 32,
     "kv_cache_dtype": "bf16",
