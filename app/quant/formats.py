@@ -172,12 +172,14 @@ def prepare_quantized(
     are then dequantized to dense tensors)."""
     plan = parse_quantization_config(quantization_config)
     shapes = checkpoint_shapes(path)
+    if model is not None:  # the names the loader streams: another EP rank's experts and
+        # unbuilt MTP layers dropped, MTP layers renamed (model.layers.{L} -> mtp.layers.0)
+        shapes = {
+            model.checkpoint_name(n): s for n, s in shapes.items() if not model.skips_weight(n)
+        }
     fmt = make_format(plan, dtype)
     names = set(shapes)
     prefixes = sorted({n.rpartition(".")[0] for n in names if n.endswith("." + fmt.marker)})
-    skips = getattr(model, "skips_weight", None)  # experts owned by another EP rank
-    if skips is not None:
-        prefixes = [p for p in prefixes if not skips(p)]
     if not prefixes:
         raise ValueError(
             f"quantization_config says {plan.describe()} but no tensor ends in .{fmt.marker}"
