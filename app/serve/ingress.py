@@ -47,7 +47,7 @@ async def _validation_error(request: HTTPRequest, exc: RequestValidationError) -
 class Ingress(GrpcIngress):  # gRPC adapter: app/serve/grpc_servicer.py
     """The HTTP adapter: JSON -> request model -> `RequestNormalizer` -> `RequestDriver`."""
 
-    def __init__(
+    async def __init__(
         self,
         args: dict[str, Any],
         prefill: DeploymentHandle | None = None,
@@ -65,6 +65,7 @@ class Ingress(GrpcIngress):  # gRPC adapter: app/serve/grpc_servicer.py
         self.normalizer = RequestNormalizer(
             self.args, self.model_name, self.tokenizer, self.driver.describe
         )
+        await self.driver.warm_up()  # routers know their replicas before the first request
 
     # --- routes -------------------------------------------------------------------
     @api.get("/health")
