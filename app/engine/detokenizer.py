@@ -24,6 +24,16 @@ class IncrementalDetokenizer:
         self.emitted = 0  # characters of self.text already streamed
         self.holdback = max((len(s) for s in stop), default=1) - 1
 
+    def primed(self, prior_ids: list[int]) -> IncrementalDetokenizer:
+        """Continue after output tokens another engine already streamed (a decode replica
+        after the prefill's first token): the same steps that engine took, so exactly the
+        text it emitted counts as emitted, the rest (held back for stop strings, or an
+        unfinished character) comes out here, and stop strings may span the two."""
+        if prior_ids:
+            self.add(prior_ids)
+            self.take(final=False)
+        return self
+
     def add(self, new_ids: list[int]) -> None:
         self.ids.extend(new_ids)
         prefix = self.tok.decode(self.ids[self.prefix_offset : self.read_offset], self.skip)

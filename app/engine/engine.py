@@ -129,7 +129,9 @@ class Engine:
                 request,
                 i,
                 salt,
-                IncrementalDetokenizer(self.tokenizer, p.stop, p.skip_special_tokens),
+                IncrementalDetokenizer(self.tokenizer, p.stop, p.skip_special_tokens).primed(
+                    request.prior_output_ids
+                ),
             )
             for i in range(p.n)
         ]

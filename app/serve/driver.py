@@ -23,7 +23,7 @@ from app.serve.responses import (
     Admission,
     AdmissionTicket,
     ChoiceStream,
-    detokenized,
+    choice_deltas,
 )
 
 _PLACEMENTS = 1024  # placements kept for the debug view; streams never collect theirs
@@ -72,7 +72,6 @@ async def _assigned(response) -> None:
 class RequestDriver:
     def __init__(
         self,
-        tokenizer,
         metrics: ReplicaMetrics,
         prefill: DeploymentHandle | None = None,
         decode: DeploymentHandle | None = None,
@@ -80,7 +79,7 @@ class RequestDriver:
         record_placement: bool = False,
     ):
         assert (engine is None) != (prefill is None and decode is None), "one mode"
-        self.tokenizer, self.metrics = tokenizer, metrics
+        self.metrics = metrics
         self.prefill, self.decode, self.engine = prefill, decode, engine
         self.record_placement = record_placement
         self._info: EngineInfo | None = None
@@ -116,12 +115,7 @@ class RequestDriver:
         role = "prefill" if self.prefill is not None else "engine"
         admission = Admission(req.params.n)
         choices = [
-            detokenized(
-                self._timed(req.choice(i, info, role), admission.ticket()),
-                self.tokenizer,
-                req.params,
-                info.eos_token_ids,
-            )
+            choice_deltas(self._timed(req.choice(i, info, role), admission.ticket()))
             for i in range(req.params.n)
         ]
         return ChoiceStream(choices, admission)

@@ -59,9 +59,7 @@ class Ingress(GrpcIngress):  # gRPC adapter: app/serve/grpc_servicer.py
         self.model_name = self.args.served_model_name or os.path.basename(model.rstrip("/"))
         self.tokenizer = Tokenizer.from_path(model)
         metrics = ReplicaMetrics("ingress", self.model_name)  # the client's view
-        self.driver = RequestDriver(
-            self.tokenizer, metrics, prefill, decode, engine, self.args.allow_routing_hints
-        )
+        self.driver = RequestDriver(metrics, prefill, decode, engine, self.args.allow_routing_hints)
         self.normalizer = RequestNormalizer(
             self.args, self.model_name, self.tokenizer, self.driver.describe
         )

@@ -11,7 +11,6 @@ from typing import Any
 from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError
 
-from app.engine.detokenizer import IncrementalDetokenizer
 from app.engine.request import OverloadedError, RequestDelta
 from app.engine.structured.tools import ToolChoice
 from app.serve.openai_protocol import (
@@ -27,32 +26,18 @@ _END = object()
 DONE_REASONS = ("stop", "length", "abort")  # a prefill's first delta has none: decode follows
 
 
-async def detokenized(
-    deltas: AsyncIterator[RequestDelta], tokenizer, params, eos_ids: frozenset[int]
-) -> AsyncIterator[RequestDelta]:
-    """Text for one choice from all its tokens, wherever they were sampled.
+async def choice_deltas(deltas: AsyncIterator[RequestDelta]) -> AsyncIterator[RequestDelta]:
+    """One choice's deltas, with the text the engines made (the text is made once).
 
-    In disaggregated mode the first token comes from the prefill replica and the rest from
-    the decode replica, whose detokenizer never saw that first token; so the ingress makes
-    the text (and finds stop strings) over the whole choice, as the offline engine does.
+    Each engine detokenizes and finds stop strings where its tokens are sampled; in
+    disaggregated mode the decode replica's detokenizer continues after the prefill's
+    first token (`IncrementalDetokenizer.primed`), so a stop string may span the two and
+    the text equals the colocated one. A prefill's first delta is finished for its replica
+    but not for the choice: only a reason in DONE_REASONS ends the choice.
     """
-    detok = IncrementalDetokenizer(tokenizer, params.stop, params.skip_special_tokens)
-    stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
     async for d in deltas:
-        ids = d.new_token_ids
-        if d.finish_reason == "stop" and ids and ids[-1] in stop_ids:
-            ids = ids[:-1]  # like the engine: a stop token is counted but not printed
-        if ids:
-            detok.add(ids)
         done = d.finished and d.finish_reason in DONE_REASONS
-        reason = d.finish_reason if done else None
-        cut = detok.find_stop()
-        if cut is not None:
-            detok.truncate(cut)
-            done, reason = True, "stop"
-        yield dataclasses.replace(
-            d, text_delta=detok.take(final=done), finished=done, finish_reason=reason
-        )
+        yield dataclasses.replace(d, finished=done, finish_reason=d.finish_reason if done else None)
         if done:
             return
 

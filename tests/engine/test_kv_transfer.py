@@ -1,5 +1,7 @@
 """Disaggregation seams: prefill_only export, kv_import into a second engine (no Ray)."""
 
+import dataclasses
+
 import pytest
 
 from app.config import CacheConfig, EngineConfig
@@ -103,3 +105,50 @@ def _own_tokens_key(parent, ids, salt) -> bytes:
     import xxhash
 
     return xxhash.xxh3_128(array("q", ids).tobytes()).digest()
+
+
+def _text(deltas) -> str:
+    return "".join(d.text_delta for d in deltas)
+
+
+def _disaggregated(prefill: Engine, decode: Engine, rid: str, prompt, params: SamplingParams):
+    """As app/serve/prefill.py and decode.py hand a request over: the decode replica's
+    prompt ends with the first token, which it is told was an output (prior_output_ids)."""
+    (first,) = run(prefill, Request(rid + "-p", prompt, params, prefill_only=True))
+    if first.finish_reason is not None:
+        return [first]
+    rest = dataclasses.replace(params, max_tokens=params.max_tokens - 1)
+    return [first] + run(
+        decode,
+        Request(
+            rid + "-d",
+            prompt + first.new_token_ids,
+            rest,
+            kv_import=first.exported_chunks,
+            prior_output_ids=list(first.new_token_ids),
+        ),
+    )
+
+
+def test_disaggregated_text_is_the_one_engine_text(engines):
+    """The decode replica's detokenizer continues after the prefill's first token (primed),
+    so prefill text + decode text is the one-engine text, and a stop string spanning the
+    two is found. Prompts: the first token ascii, and one whose first token is an
+    unfinished UTF-8 character. Seen failing without `.primed(...)` in Engine.add_request:
+    with stop 'v\ufffd' the first token's held-back 'v' was lost and the stop string was
+    never found (disaggregated text '\ufffd\ufffd7E...' where one engine gives '')."""
+    prefill, decode = engines
+    for n, prompt in enumerate([PROMPT, PROMPT[:20], PROMPT[5:40]]):
+        plain = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        ref = run(prefill, Request(f"t{n}", prompt, plain))
+        assert _text(_disaggregated(prefill, decode, f"t{n}", prompt, plain)) == _text(ref)
+        cut = len(ref[0].text_delta)  # the stop string's first char is the first token's last
+        if cut == 0:
+            continue
+        stop = _text(ref)[cut - 1 : cut + 1]
+        stopped = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, stop=[stop])
+        want = run(prefill, Request(f"s{n}", prompt, stopped))
+        got = _disaggregated(prefill, decode, f"s{n}", prompt, stopped)
+        assert _text(got) == _text(want) == _text(ref)[: _text(ref).find(stop)]
+        assert got[-1].finish_reason == want[-1].finish_reason == "stop"
+    assert decode.blocks.num_free == decode.blocks.num_blocks

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import asyncio
 
+from app.engine.request import RequestDelta
+from app.engine.sampling_params import SamplingParams
 from app.serve.driver import RequestDriver
+from app.serve.messages import PrefillResult
 from app.serve.metrics import ReplicaMetrics
+from app.serve.normalize import NormalizedRequest
 
 DESCRIBE = {
     "max_model_len": 128, "vocab_size": 100, "eos_token_ids": [2], "salt_base": ["m", "a", "b"],
@@ -13,25 +17,55 @@ DESCRIBE = {
 }  # fmt: skip
 
 
-class _Method:
-    def __init__(self, calls: list[str], name: str):
-        self.calls, self.name = calls, name
+def delta(ids, text, finished=False, reason=None) -> RequestDelta:
+    return RequestDelta("r", 0, ids, text, finished, reason)
 
-    def remote(self):
+
+class _Stream:
+    """A streaming DeploymentResponseGenerator: async iteration and cancel()."""
+
+    def __init__(self, deltas: list[RequestDelta]):
+        self._it = iter(deltas)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> RequestDelta:
+        try:
+            return next(self._it)
+        except StopIteration:
+            raise StopAsyncIteration from None
+
+    def cancel(self) -> None:
+        pass
+
+
+class _Method:
+    def __init__(self, calls: list[str], name: str, answer):
+        self.calls, self.name, self.answer = calls, name, answer
+
+    def remote(self, *args):
         self.calls.append(self.name)
+        if isinstance(self.answer, list):
+            return _Stream(self.answer)
 
         async def answer():
-            return DESCRIBE
+            return self.answer
 
         return answer()
 
 
 class FakeHandle:
-    """`handle.describe.remote()`: the first call through a Serve handle starts its router,
-    which then learns the deployment's replicas."""
+    """A Serve handle: `describe.remote()`, and per role `prefill.remote(req)` or
+    `options(stream=True).generate.remote(req)`; `calls` records which were used."""
 
-    def __init__(self, calls: list[str], name: str):
-        self.describe = _Method(calls, name)
+    def __init__(self, calls: list[str], name: str, prefill=None, generate=None):
+        self.describe = _Method(calls, name, DESCRIBE)
+        self.prefill = _Method(calls, name + ".prefill", prefill)
+        self.generate = _Method(calls, name + ".generate", generate)
+
+    def options(self, **_):
+        return self
 
 
 def test_warm_up_reaches_every_deployment_before_the_first_request():
@@ -47,7 +81,47 @@ def test_warm_up_reaches_every_deployment_before_the_first_request():
                 "prefill": FakeHandle(calls, "prefill"),
                 "decode": FakeHandle(calls, "decode"),
             }
-        driver = RequestDriver(None, ReplicaMetrics("ingress", "test-warmup"), **handles)
+        driver = RequestDriver(ReplicaMetrics("ingress", "test-driver"), **handles)
         asyncio.run(driver.warm_up())
         assert set(calls) == set(handles), mode
         assert driver._info is not None and driver._info.block_size == 16
+
+
+def _collect(driver: RequestDriver) -> list[RequestDelta]:
+    req = NormalizedRequest("r", "e", "text_completion", [5, 6, 7], SamplingParams(max_tokens=4))
+
+    async def go():
+        stream = await driver.start(req)
+        return (await stream.collect(timeout_s=10))[0]
+
+    return asyncio.run(go())
+
+
+def test_the_text_is_the_engines_text():
+    """The ingress streams the text the engines made (detokenized once, where the tokens
+    were sampled; stop strings found there) and ends a choice only on a final reason: a
+    prefill's first delta is finished for its replica, not for the choice. The fake
+    replicas' text is not any decoding of their token ids, so text made again at the
+    ingress would differ. Seen failing with choice_deltas remaking the text from the
+    token ids ('OPQC', not 'Hello'), and with a prefill's finished first delta ending
+    the choice ('He')."""
+    calls: list[str] = []
+    first = delta([40], "He", finished=True)  # prefill_only: finished, no reason
+    rest = [delta([41], "l"), delta([42, 2], "lo", finished=True, reason="stop")]
+    result = PrefillResult("e-0", first, [], "prefill-0")
+    driver = RequestDriver(
+        ReplicaMetrics("ingress", "test-driver"),
+        prefill=FakeHandle(calls, "prefill", prefill=result),
+        decode=FakeHandle(calls, "decode", generate=rest),
+    )
+    got = _collect(driver)
+    assert "".join(d.text_delta for d in got) == "Hello"
+    assert [d.finished for d in got] == [False, False, True]
+    assert got[-1].finish_reason == "stop" and got[0].finish_reason is None
+    assert calls[-2:] == ["prefill.prefill", "decode.generate"]
+
+    calls.clear()  # colocated: one engine stream
+    engine = FakeHandle(calls, "engine", generate=[delta([40], "He"), *rest])
+    got = _collect(RequestDriver(ReplicaMetrics("ingress", "test-driver"), engine=engine))
+    assert "".join(d.text_delta for d in got) == "Hello"
+    assert got[-1].finish_reason == "stop"

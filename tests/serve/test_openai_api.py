@@ -88,6 +88,17 @@ def test_stop_string_and_max_tokens(client, offline):
         model="tiny", prompt=PROMPT, max_tokens=16, temperature=0, stop=[stop]
     )
     assert r.choices[0].text == want and r.choices[0].finish_reason == "stop"
+    # A stop string spanning the prefill replica's first token and the decode replica's
+    # next: found by the decode replica's (primed) detokenizer, as one engine finds it.
+    first = offline.generate([PROMPT], greedy(offline, 1))[0].text
+    k = max(len(first), 1)
+    spanning = full[k - 1 : k + 1]
+    want = offline.generate([PROMPT], greedy(offline, 16, stop=[spanning]))[0]
+    r = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=16, temperature=0, stop=[spanning]
+    )
+    assert r.choices[0].text == want.text == full[: full.find(spanning)]
+    assert r.choices[0].finish_reason == want.finish_reason == "stop"
     r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3, temperature=0)
     assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
 
