@@ -24,9 +24,12 @@ from dataclasses import dataclass
 import numpy as np
 import ray
 from ray.actor import ActorHandle
-from ray.exceptions import RayActorError
+from ray.exceptions import ActorUnschedulableError, RayActorError
 
 log = logging.getLogger(__name__)
+# A shard that died, or cannot be placed again (its node is gone and so is any node it may
+# run on): either way a new shard replaces it.
+SHARD_GONE = (RayActorError, ActorUnschedulableError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,7 +233,7 @@ class KVStoreClient:
         """``shards[i].method(*args)``; a dead shard is replaced once, then the call retried."""
         try:
             return await getattr(self.shards[i], method).remote(*args)
-        except RayActorError as e:
+        except SHARD_GONE as e:
             if not self._replace(i, e):
                 raise
         return await getattr(self.shards[i], method).remote(*args)
@@ -276,7 +279,7 @@ class KVStoreClient:
         """Forget ``key``; reason "integrity" or "fetch" also counts a failure."""
         try:
             return await self._call(self.shard_index(key), "drop", key, reason)
-        except RayActorError:  # the shard and the chunk are gone together
+        except SHARD_GONE:  # the shard and the chunk are gone together
             return False
 
     async def stats(self) -> dict[str, int]:
@@ -303,7 +306,7 @@ class KVStoreClient:
         )
         found: dict[bytes, StoredChunk] = {}
         for answer in answers:
-            if isinstance(answer, RayActorError):  # unreachable shard: its keys are misses
+            if isinstance(answer, SHARD_GONE):  # unreachable shard: its keys are misses
                 log.warning("KV store look-up failed: %s", answer)
             elif isinstance(answer, BaseException):
                 raise answer

@@ -82,7 +82,7 @@ def soak_one(app, rng: random.Random, batch, wants, long_prompt, tokens: int) ->
     if kind == "cancel":
         return _http_cancel(app, batch[j], rng.randrange(1, 4))
     if kind == "deadline":
-        return _grpc_deadline(app, batch[j], rng.choice([0.05, 0.2, 0.5]))
+        return grpc_deadline(app, batch[j], rng.choice([0.05, 0.2, 0.5]))
     if kind == "n2":
         body = {"model": "tiny", "prompt": batch[j], "max_tokens": tokens, "n": 2}
         body |= {"temperature": 0.8, "seed": j}
@@ -111,7 +111,7 @@ def _http_cancel(app, prompt, after: int) -> str:
     return "wrong"
 
 
-def _grpc_deadline(app, prompt, timeout: float) -> str:
+def grpc_deadline(app, prompt, timeout: float) -> str:
     sampling = pb.SamplingParams(max_tokens=2000, temperature=0, ignore_eos=True)
     req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=sampling)
     try:
