@@ -48,6 +48,7 @@ class PagedAttention:
 
     def __init__(self, ops: ModuleType, cache: KVCache, meta: AttentionMetadata, scale: float):
         self.ops, self.cache, self.meta, self.scale = ops, cache, meta, scale
+        self.decode_ctx = None  # a backend's per-step decode state, built at the first layer
 
     def __call__(self, layer: int, q, k, v) -> torch.Tensor:
         """v None (MLA): the cache has one plane and V reads it too (vc is kc), so the
@@ -56,6 +57,12 @@ class PagedAttention:
         assert (v is None) == self.cache.spec.use_mla, "v=None exactly when the cache is MLA"
         v = k if v is None else v
         m = self.meta
+        if m.is_decode and hasattr(self.ops, "decode_layer"):  # shares per-step work
+            if self.decode_ctx is None:
+                bs = self.cache.spec.block_size
+                args = (m.block_tables, m.seq_lens, m.slot_mapping, bs)
+                self.decode_ctx = self.ops.prepare_decode(*args)
+            return self.ops.decode_layer(self.decode_ctx, q, k, v, kc, vc, ks, vs, self.scale)
         self.ops.kv_write(k, v, kc, vc, ks, vs, m.slot_mapping)
         if m.is_decode:
             return self.ops.paged_decode_attention(

@@ -29,3 +29,34 @@ def test_decode_matches_reference(dtype):
         atol=1e-5,
         rtol=1e-5,
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])
+def test_decode_layer_matches_write_then_attend(dtype):
+    """The per-step context path (prepare_decode once, decode_layer per layer) writes the
+    same cache and returns the same output as the reference kv_write + decode attention; a
+    slot < 0 (a padding row) writes nothing.
+    Seen failing: with the -1 slot written as-is (index_copy_ of every row: IndexError)."""
+    torch.manual_seed(1)
+    nb, bs, hkv, hq, d = 12, 4, 2, 6, 16
+    fp8 = dtype == torch.float8_e4m3fn
+    caches = []
+    for _ in range(2):
+        kc = torch.zeros(nb, bs, hkv, d, dtype=dtype)
+        scales = [torch.zeros(nb, bs, hkv, dtype=torch.int8) if fp8 else None for _ in "kv"]
+        caches.append((kc, torch.zeros_like(kc), *scales))
+    old = torch.randn(nb * bs, hkv, d)
+    for c in caches:
+        reference.kv_write(old, old * 2, *c, torch.arange(nb * bs))
+    tables = torch.tensor([[3, 7, 1, 0], [5, 2, 9, 11], [4, 0, 0, 0]], dtype=torch.int32)
+    lens = torch.tensor([10, 16, 1], dtype=torch.int32)
+    slots = torch.tensor([1 * bs + 1, 11 * bs + 3, -1])  # the third row is padding
+    q, k, v = torch.randn(3, hq, d), torch.randn(3, hkv, d), torch.randn(3, hkv, d)
+    reference.kv_write(k, v, *caches[0], slots)
+    want = reference.paged_decode_attention(q, *caches[0], tables, lens, d**-0.5)
+    ctx = torch_attention.prepare_decode(tables, lens, slots, bs)
+    got = torch_attention.decode_layer(ctx, q, k, v, *caches[1], d**-0.5)
+    for a, b in zip(caches[0], caches[1]):
+        if a is not None:
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    torch.testing.assert_close(got[:2], want[:2], atol=1e-5, rtol=1e-5)
