@@ -159,9 +159,16 @@ def check_soak(app, load_set, total: int) -> dict:
     soak(app, batch[:2], wants[:2], long_prompt, LOAD_TOKENS, 8, workers=4)  # warm up
     rss0 = cluster_rss()
     tally = soak(app, batch, wants, long_prompt, LOAD_TOKENS, total, workers=6)
-    idle(app)
-    growth = round((cluster_rss() - rss0) / 2**20, 1)
-    print(f"soak {total}: {dict(tally)} rss +{growth} MiB")  # docs/reliability.md
+    print(f"soak {total}: {dict(tally)}")  # docs/reliability.md
+    try:
+        idle(app)
+    except AssertionError as e:  # report what was held, let it drain, then fail
+        drained = wait_idle(app["EngineServer"], 120)
+        print(f"soak {total}: {e}; all free after draining: {drained}")
+        raise
+    finally:
+        growth = round((cluster_rss() - rss0) / 2**20, 1)
+        print(f"soak {total}: rss +{growth} MiB")
     counted = sum(v for k, v in tally.items() if not k.startswith("detail"))
     assert tally.get("wrong", 0) == 0 and counted == total, tally
     return {"tally": tally, "rss_growth_mib": growth}
