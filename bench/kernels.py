@@ -1,11 +1,14 @@
-"""Kernel benchmarks: INT4 W4A16 GEMM vs bf16 torch.matmul, FP8 vs BF16 paged decode attention.
+"""Kernel benchmarks: INT4 W4A16 GEMM vs bf16 torch.matmul, FP8 vs BF16 paged decode attention,
+and at the seed's model shapes (bench/kernels_models.py): fused MoE vs the per-expert loop,
+FP8 / INT4 GEMMs vs BF16, and the seed's INT4-vs-FP8 decode / prefill table.
 
     python bench/kernels.py              # full grid on a GPU
     python bench/kernels.py --quick      # a subset, < 3 minutes on one GPU
     python bench/kernels.py --cpu-smoke  # tiny shapes, reference vs Triton interpreter (CPU)
 
-Writes kernels.json (+ kernels.png) to bench/results/ (or --out). GEMM shapes are K x N
-(in x out features): 4096x14336 is a Llama-3-8B up-projection, 14336x4096 its down-projection.
+Writes kernels.json (+ kernels.png, kernels_models.png) to bench/results/ (or --out). GEMM
+shapes are K x N (in x out features): 4096x14336 is a Llama-3-8B up-projection, 14336x4096
+its down-projection.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ import torch  # does not import triton; TRITON_INTERPRET can still be set in mai
 # Run as a script, bench/ is sys.path[0] and `import kernels` would find this very file.
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+
+from bench import kernels_models as models  # noqa: E402  (imports no triton either)
 
 # Peak HBM bandwidth (GB/s) by device-name substring, for "% of HBM" columns.
 HBM_GBPS = {"H200": 4800.0, "H100 SXM": 3350.0, "H100": 3350.0, "A100": 2039.0, "L40S": 864.0}
@@ -53,6 +58,10 @@ def grids(args) -> dict:
             batches=[1, 3],
             heads=(4, 2, 32),
             block_size=16,
+            model_gemm=models.SMOKE_GEMM,
+            moe=models.SMOKE_MOE,
+            model_ms=[1, 5],
+            seed_points=((1,), (5,)),
         )
     if args.quick:
         return dict(
@@ -63,6 +72,10 @@ def grids(args) -> dict:
             batches=[1, 32],
             heads=ATTN_HEADS,
             block_size=16,
+            model_gemm=models.GEMM_SHAPES,
+            moe=models.MOE_SHAPES,
+            model_ms=[1, 8, 32, 256, 1024, 4096],
+            seed_points=(models.DECODE_TOKENS, models.PREFILL_TOKENS),
         )
     return dict(
         gemm_shapes=GEMM_SHAPES,
@@ -72,6 +85,10 @@ def grids(args) -> dict:
         batches=ATTN_BATCHES,
         heads=ATTN_HEADS,
         block_size=16,
+        model_gemm=models.GEMM_SHAPES,
+        moe=models.MOE_SHAPES,
+        model_ms=[1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096],
+        seed_points=(models.DECODE_TOKENS, models.PREFILL_TOKENS),
     )
 
 
@@ -217,7 +234,7 @@ def speedups(rows: list[dict], op: str, key: tuple, fast: str, slow: str) -> lis
     for (impl, *vals), r in by.items():
         base = by.get((slow, *vals))
         if impl == fast and base:
-            out.append({**dict(zip(key, vals)), "speedup": base["ms"] / r["ms"]})
+            out.append({**dict(zip(key, vals)), "impl": fast, "speedup": base["ms"] / r["ms"]})
     return out
 
 
@@ -282,6 +299,10 @@ def run(args, device) -> dict:
     )
     hbm = next((v for key, v in HBM_GBPS.items() if key in name), None)
     add_bandwidth(rows, hbm)
+    model_rows = models.bench_gemm(g["model_gemm"], g["model_ms"], device, dtype, time_ms)
+    model_rows += models.bench_moe(
+        g["moe"], g["model_ms"], ("bf16", "fp8", "int4"), device, dtype, time_ms
+    )
     import triton
 
     return dict(
@@ -293,6 +314,12 @@ def run(args, device) -> dict:
         rows=rows,
         gemm_speedup=speedups(rows, "gemm", ("m", "k", "n"), "int4", "dense"),
         attention_speedup=speedups(rows, "decode_attention", ("batch", "ctx"), "fp8", "bf16"),
+        model_rows=model_rows,
+        model_gemm_speedup=[
+            *speedups(model_rows, "model_gemm", ("model", "proj", "m"), "fp8", "bf16"),
+            *speedups(model_rows, "model_gemm", ("model", "proj", "m"), "int4", "bf16"),
+        ],
+        seed_table=models.seed_table(model_rows, *g["seed_points"]),
     )
 
 
@@ -311,7 +338,9 @@ def main() -> None:
     stem = "kernels_smoke" if args.cpu_smoke else "kernels"
     (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
     plot(result, out / f"{stem}.png")
+    models.plot(result, out / f"{stem}_models.png")
     print(json.dumps({k: result[k] for k in ("gemm_speedup", "attention_speedup")}, indent=1))
+    print(models.seed_markdown(result["seed_table"]))
     print(f"wrote {out / stem}.json and .png in {result['wall_s']:.0f}s")
 
 

@@ -11,6 +11,12 @@ app/models/{deepseek_v3,glm4_moe,mla,moe}.py; byte formats follow this repositor
 - INT4 weights: W4A16 group-wise, 0.5 byte + one BF16 scale per group (symmetric).
 
     python bench/model_memory.py           # markdown tables; -> bench/results/model_memory.json
+    python bench/model_memory.py --measure [--device cuda]   # resident bytes, by loading
+                                           # -> bench/results/resident_weights.json
+
+`--measure` (bench/resident_weights.py) writes one real-shape decoder layer of Llama-3-8B
+and of GLM-4.5 as BF16 and FP8-block checkpoints, loads them as the engine does (BF16,
+FP8 kept FP8, INT4 via weight_quant) and counts the bytes the loaded layer holds.
 """
 
 from __future__ import annotations
@@ -142,8 +148,28 @@ PLANS = {
 }
 
 
+def measure_main(argv: list[str]) -> None:
+    import argparse
+
+    from bench.common import write_json
+    from bench.resident_weights import markdown, measure
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--measure", action="store_true")
+    p.add_argument("--experts", type=int, default=8, help="GLM-4.5 experts loaded (>= 8)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--tmp", default=None, help="where the checkpoints are written")
+    args = p.parse_args(argv)
+    results = measure(args.experts, args.device, args.tmp)
+    print(markdown(results))
+    print(write_json("resident_weights", dict(device=args.device, layers=results)))
+
+
 def main() -> None:
     from bench.common import write_json
+
+    if "--measure" in sys.argv[1:]:
+        return measure_main(sys.argv[1:])
 
     models = {"Kimi K2": KIMI_K2, "GLM-4.5": GLM_45}
     kv = [row for name, c in models.items() for row in kv_table(name, c)]

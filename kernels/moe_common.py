@@ -48,6 +48,14 @@ class MoEWeights:
     def intermediate(self) -> int:
         return self.w13.shape[1] // 2
 
+    def expert(self, e: int, which: str, dtype: torch.dtype) -> torch.Tensor:
+        """Expert e of w13 or w2 -> [N, K] dtype: a view of the stack for dense weights in
+        `dtype` (no copy per forward), else that one expert dequantized."""
+        w = self.w13 if which == "13" else self.w2
+        if self.kind == "dense" and w.dtype == dtype:
+            return w[e]
+        return self.dense(torch.tensor([e], device=w.device), which, dtype)[0]
+
     def dense(self, e: torch.Tensor, which: str, dtype: torch.dtype) -> torch.Tensor:
         """Experts e [A] of w13 or w2 dequantized -> [A, N, K] dtype."""
         w, s, z = (self.w13, self.s13, self.z13) if which == "13" else (self.w2, self.s2, self.z2)
@@ -109,9 +117,9 @@ def fused_moe_torch(
     FP8/INT4 experts dequantized one at a time), SiLU-and-mul between, one weighted
     scatter-add at the end. [T, H].
 
-    Measured on 2 shared CPU cores, torch._grouped_mm over the same layout was slower than
-    this at 1-64 tokens once the weights of the active experts had to be gathered, and
-    never reliably faster (bench/kernels.py --cpu-moe)."""
+    Dense experts are used as views of the stacks (`MoEWeights.expert`): gathering them
+    (index_select) copied every active expert's weights on every forward. Against the
+    per-expert module loop: bench/moe_cpu.py."""
     k = topk_ids.shape[1]
     rows, counts = sort_rows(topk_ids, w.num_experts)
     out = torch.zeros_like(x)
@@ -122,9 +130,8 @@ def fused_moe_torch(
     for e, c in enumerate(counts):
         if not c:
             continue
-        idx = torch.tensor([e], device=x.device)
-        gate, up = F.linear(xs[start : start + c], w.dense(idx, "13", x.dtype)[0]).chunk(2, -1)
-        ys[start : start + c] = F.linear(F.silu(gate) * up, w.dense(idx, "2", x.dtype)[0])
+        gate, up = F.linear(xs[start : start + c], w.expert(e, "13", x.dtype)).chunk(2, -1)
+        ys[start : start + c] = F.linear(F.silu(gate) * up, w.expert(e, "2", x.dtype))
         start += c
     ys = (ys.float() * topk_weights.flatten()[rows].unsqueeze(1)).to(x.dtype)
     return out.index_add_(0, rows // k, ys)

@@ -34,3 +34,17 @@ def test_cpu_smoke(tmp_path):
     assert all(r["max_abs_err"] < 1e-4 for r in attn)  # fp32 queries
     assert all(r["gbps"] > 0 for r in result["rows"])
     assert len(result["gemm_speedup"]) == 3 and len(result["attention_speedup"]) == 4
+    # The model-shape sections (bench/kernels_models.py), at tiny shapes.
+    assert (tmp_path / "kernels_smoke_models.png").stat().st_size > 10_000
+    moe = [r for r in result["model_rows"] if r["op"] == "moe"]
+    assert {(r["impl"], r["m"]) for r in moe} == {
+        (k, m) for k in ("bf16", "fp8", "int4") for m in (1, 5)
+    }
+    assert all(r["rel_err"] < 2e-3 and r["ms"] > 0 and r["loop_ms"] > 0 for r in moe)
+    gemm = [r for r in result["model_rows"] if r["op"] == "model_gemm"]
+    assert {r["impl"] for r in gemm} == {"bf16", "fp8", "int4"}
+    assert all(r["rel_err"] < 2e-3 for r in gemm if r["impl"] != "bf16")
+    assert len(result["model_gemm_speedup"]) == 2 * len(gemm) // 3
+    table = result["seed_table"]
+    assert [(r["phase"], r["tokens"]) for r in table] == [("decode", 1), ("prefill", 5)]
+    assert all(r["int4_speedup_vs_fp8"] > 0 for r in table)
