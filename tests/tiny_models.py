@@ -42,8 +42,13 @@ FAMILIES = {
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None)),
 }
 
+# Renders an assistant turn's tool calls and a tool turn's call id (as real templates do),
+# so tests can see that both APIs hand them to the template.
 CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>"
+    "{% if m.tool_call_id %}[{{ m.tool_call_id }}] {% endif %}{{ m['content'] }}"
+    "{% for c in m.tool_calls or [] %}<call {{ c.id }} {{ c.function.name }}"
+    " {{ c.function.arguments }}>{% endfor %}</s>{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 

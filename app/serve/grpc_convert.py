@@ -27,6 +27,7 @@ from app.serve.openai_protocol import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
+    chat_turn,
 )
 from app.serve.responses import error_from_exception
 
@@ -91,7 +92,7 @@ def http_body(req: pb.GenerateRequest, model: str) -> CompletionRequest | ChatCo
     fields |= structured_fields(req, chat=kind == "chat")  # app/serve/grpc_structured.py
     logprobs = req.sampling.logprobs if req.sampling.HasField("logprobs") else None
     if kind == "chat":
-        fields["messages"] = [{"role": m.role, "content": m.content} for m in req.chat.messages]
+        fields["messages"] = [chat_message_fields(m) for m in req.chat.messages]
         fields |= {"logprobs": logprobs is not None, "top_logprobs": logprobs}
         return _validate(ChatCompletionRequest, fields)
     fields["prompt"] = req.text if kind == "text" else list(req.token_ids.ids)
@@ -130,15 +131,28 @@ def _validate(model_cls, fields: dict[str, Any]):
         raise APIError(400, f"{where}: {first['msg']}", param=where) from None
 
 
-def conversation(chat: pb.Chat) -> list[dict[str, str]]:
-    """Chat turns as the tokenizer's template wants them; roles checked like the HTTP API."""
+def chat_message_fields(m: pb.ChatMessage) -> dict[str, Any]:
+    """One turn as the HTTP API's message JSON: tool calls in OpenAI's shape."""
+    out: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        out["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in m.tool_calls
+        ]
+    if m.tool_call_id:
+        out["tool_call_id"] = m.tool_call_id
+    return out
+
+
+def conversation(chat: pb.Chat) -> list[dict[str, Any]]:
+    """Chat turns as the tokenizer's template wants them; checked like the HTTP API."""
     if not chat.messages:
         raise APIError(400, "chat.messages: at least one message is required")
     try:
-        turns = [ChatMessage(role=m.role, content=m.content) for m in chat.messages]
+        turns = [ChatMessage.model_validate(chat_message_fields(m)) for m in chat.messages]
     except ValidationError as e:
         raise APIError(400, f"chat.messages: {e.errors()[0]['msg']}") from None
-    return [{"role": t.role, "content": t.text()} for t in turns]
+    return [chat_turn(t) for t in turns]
 
 
 def request_id(req: pb.GenerateRequest, fallback: str) -> str:

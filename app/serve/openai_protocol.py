@@ -177,12 +177,13 @@ class ChatCompletionRequest(_SamplingFields):
 
     def conversation(self) -> list[dict[str, Any]]:
         try:
-            return [_turn(m) for m in self.messages]
+            return [chat_turn(m) for m in self.messages]
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
 
 
-def _turn(m: ChatMessage) -> dict[str, Any]:
+def chat_turn(m: ChatMessage) -> dict[str, Any]:
+    """A validated message as the chat template sees it (both APIs)."""
     turn: dict[str, Any] = {"role": m.role, "content": m.text()}
     if m.tool_calls is not None:
         turn["tool_calls"] = m.tool_calls

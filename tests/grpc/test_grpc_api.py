@@ -128,6 +128,24 @@ def test_complete_chat_token_ids_and_n(served, stub, offline):
     assert len({tuple(c.token_ids) for c in three.choices}) > 1
 
 
+def test_multi_turn_tool_conversation(stub, offline):
+    """A tool call and its answer sent back over gRPC reach the chat template as over HTTP
+    (the test template renders both): Tokenize and Complete equal the offline engine given
+    OpenAI's message JSON. Seen failing before ChatMessage had tool_calls / tool_call_id
+    (the client could not send them; the template got role and content only)."""
+    from test_grpc_convert import TOOL_CHAT, TOOL_TURNS
+
+    want_ids = offline.tokenizer.encode_chat(TOOL_TURNS)
+    bare = [{"role": m["role"], "content": m["content"]} for m in TOOL_TURNS]
+    assert want_ids != offline.tokenizer.encode_chat(bare)  # the fields change the prompt
+    tok = stub.Tokenize(pb.TokenizeRequest(chat=TOOL_CHAT), metadata=KEY_A)
+    assert list(tok.token_ids) == want_ids
+    got = stub.Complete(pb.GenerateRequest(chat=TOOL_CHAT, sampling=greedy(6)), metadata=KEY_A)
+    want = offline.chat(TOOL_TURNS, SamplingParams(temperature=0, max_tokens=6))[0]
+    assert list(got.choices[0].token_ids) == want.token_ids
+    assert got.usage.prompt_tokens == len(want_ids)
+
+
 def test_denormal_temperature_is_greedy_and_infinite_penalty_is_invalid(stub, offline):
     """Over gRPC a double can be a denormal or inf: the first is greedy (its limit), the
     second INVALID_ARGUMENT naming the field; neither is an INTERNAL error."""

@@ -9,6 +9,7 @@ from app.engine.request import OverloadedError, RequestDelta
 from app.serve.grpc_convert import (
     MalformedRequest,
     UsageCounter,
+    conversation,
     grpc_error,
     http_body,
     parsed,
@@ -45,6 +46,46 @@ def test_chat_logprobs_map_to_top_logprobs():
     bad = pb.GenerateRequest(chat=chat, sampling=pb.SamplingParams(logprobs=30))
     with pytest.raises(APIError, match=r"^sampling\.logprobs"):
         http_body(bad, "m")
+
+
+# A multi-turn tool conversation, as the HTTP API takes it and as gRPC spells it.
+TOOL_TURNS = [
+    {"role": "user", "content": "weather in Paris?"},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+            },
+        ],
+    },  # fmt: skip
+    {"role": "tool", "content": "sunny", "tool_call_id": "call_1"},
+]
+TOOL_CHAT = pb.Chat(
+    messages=[
+        pb.ChatMessage(role="user", content="weather in Paris?"),
+        pb.ChatMessage(
+            role="assistant",
+            tool_calls=[
+                pb.ToolCall(id="call_1", name="get_weather", arguments='{"city": "Paris"}')
+            ],
+        ),
+        pb.ChatMessage(role="tool", content="sunny", tool_call_id="call_1"),
+    ]
+)
+
+
+def test_tool_turns_reach_the_template_as_over_http():
+    """An assistant turn's tool_calls and a tool turn's tool_call_id map to the HTTP
+    message JSON, for Generate/Complete (http_body) and Tokenize (conversation). Seen
+    failing before the fields existed: gRPC turns carried role and content only."""
+    want = ChatCompletionRequest(model="m", messages=TOOL_TURNS).conversation()
+    assert want[1]["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert http_body(pb.GenerateRequest(chat=TOOL_CHAT), "m").conversation() == want
+    assert conversation(TOOL_CHAT) == want
 
 
 @pytest.mark.parametrize(
