@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import jinja2
@@ -107,6 +108,14 @@ class Tokenizer:
         the control tokens (no role injection). Messages without such text take the plain
         path, so their ids are exactly the rendered template's.
         """
+        fields = [{k: v for k, v in m.items() if k != "content"} for m in messages]
+        if any(self._has_control(text) for text in _strings([fields, tools])):
+            # These are rendered by the template itself, with no marker to keep them literal.
+            raise ChatTemplateError(
+                "tool_calls, tool_call_id and tool definitions must not hold special-token "
+                "text (such as a turn marker): the chat template would render it as control "
+                "tokens"
+            )
         contents = [m.get("content") for m in messages]
         if not any(isinstance(c, str) and self._has_control(c) for c in contents):
             # The template already carries BOS where the model wants it.
@@ -155,6 +164,19 @@ class Tokenizer:
             literal.encode_special_tokens = True  # special-token text is split like any text
             self._literal = literal
         return self._literal
+
+
+def _strings(value: Any) -> Iterator[str]:
+    """Every string in a JSON-like value, dict keys included."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _strings(k)
+            yield from _strings(v)
+    elif isinstance(value, list | tuple):
+        for v in value:
+            yield from _strings(v)
 
 
 # A content marker no template produces by itself: private-use characters around an index.
