@@ -92,3 +92,40 @@ def test_int4_gemm_gpu(m, zeros):
     out = _mod("int4_gemm").int4_gemm(*args).float()
     ref = reference.int4_gemm(*args).float()
     assert ((out - ref).abs().max() / ref.abs().max()).item() < 1e-2
+
+
+@pytest.mark.parametrize("m", [1, 7, 64, 300, 1024])
+@pytest.mark.parametrize("block", [(128, 128), (1, 4096)])
+def test_fp8_gemm_gpu(m, block):
+    """Llama-3-8B's down projection shape (K 14336 -> N 4096) on the native e4m3 path (sm_89+)
+    or the uint8-bits path, against the fp32 reference."""
+    gen = torch.Generator().manual_seed(m)
+    n, k = 4096, 14336 if block[1] != 4096 else 4096
+    w = (torch.randn(n, k, generator=gen) * 64).clamp(-448, 448).to(FP8)
+    s = torch.exp2(torch.randint(-14, -9, (-(-n // block[0]), -(-k // block[1])), generator=gen))
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    args = _cuda((x, w, s.float(), block))
+    out = _mod("fp8_gemm").fp8_gemm(*args).float()
+    ref = reference.fp8_gemm(*args).float()
+    assert ((out - ref).abs().max() / ref.abs().max()).item() < 1e-2
+
+
+@pytest.mark.parametrize("kind", ["dense", "fp8", "int4"])
+@pytest.mark.parametrize("t", [1, 9, 80])
+def test_fused_moe_gpu(kind, t):
+    """GLM-4.5's expert shape (H 5120, I 1536), 16 experts, top-8, bf16; 80 tokens x 8 = 640
+    pairs takes the prefill config (BLOCK_M 64). Against the per-expert loop in fp32."""
+    from test_triton_fused_moe import routing, weights
+
+    gen = torch.Generator().manual_seed(t)
+    extra = {"fp8": dict(block=(128, 128)), "int4": dict(group=32)}.get(kind, {})
+    w = weights(kind, 16, 5120, 1536, torch.bfloat16, gen, **extra)
+    x = torch.randn(t, 5120, generator=gen).to(torch.bfloat16)
+    tw, ids = routing(t, 16, 8, gen)
+    for f in ("w13", "w2", "s13", "s2", "z13", "z2"):
+        if getattr(w, f) is not None:
+            setattr(w, f, getattr(w, f).cuda())
+    x, tw, ids = x.cuda(), tw.cuda(), ids.cuda()
+    out = _mod("fused_moe").fused_moe(x, tw, ids, w).float()
+    ref = reference.fused_moe(x, tw, ids, w).float()
+    assert ((out - ref).abs().max() / ref.abs().max()).item() < 2e-2
