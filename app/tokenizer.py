@@ -91,13 +91,18 @@ class Tokenizer:
                 self._template = env.from_string(self.chat_template)
             except jinja2.TemplateError as e:
                 raise ChatTemplateError(f"invalid chat template: {e}") from e
-        return self._template.render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            tools=tools,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
-        )
+        try:
+            return self._template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                tools=tools,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+            )
+        except jinja2.TemplateError as e:  # e.g. a field the template needs is missing: 400
+            raise ChatTemplateError(
+                f"the chat template cannot render this conversation: {e}"
+            ) from e
 
     def encode_chat(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None

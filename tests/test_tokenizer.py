@@ -66,6 +66,15 @@ def test_special_token_text_in_tool_fields_is_refused(tok):
     assert '{"a": 1}' in tok.decode(ok, skip_special_tokens=False)
 
 
+def test_a_template_that_fails_on_a_conversation_is_a_chat_template_error(tok):
+    """jinja2 errors while rendering (a field the template needs is missing) are the
+    caller's 400, not a 500. Seen failing before the wrap: jinja2.UndefinedError."""
+    needs = "{% for m in messages %}{{ m.tool_calls[0].function.name }}{% endfor %}"
+    tok = Tokenizer(tok.hf, {**tok.config, "chat_template": needs}, tok.eos_token_ids)
+    with pytest.raises(ChatTemplateError, match="cannot render"):
+        tok.encode_chat([{"role": "user", "content": "hi"}])
+
+
 def test_plain_content_encodes_exactly_as_the_rendered_template(tok):
     messages = [
         {"role": "system", "content": "be brief"},

@@ -129,11 +129,27 @@ class CompletionRequest(_SamplingFields):
         return self.sampling_params(self.max_tokens, self.logprobs)
 
 
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    name: str
+    arguments: str  # JSON text, as the answer gave it
+
+
+class MessageToolCall(BaseModel):
+    """One call of an earlier assistant answer, sent back in the conversation; typed, so
+    a template that reads `call.function.name` never meets a malformed one."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
-    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls
+    tool_calls: list[MessageToolCall] | None = None  # an assistant turn's calls
     tool_call_id: str | None = None  # a tool turn answers this call
 
     def text(self) -> str:
@@ -186,7 +202,7 @@ def chat_turn(m: ChatMessage) -> dict[str, Any]:
     """A validated message as the chat template sees it (both APIs)."""
     turn: dict[str, Any] = {"role": m.role, "content": m.text()}
     if m.tool_calls is not None:
-        turn["tool_calls"] = m.tool_calls
+        turn["tool_calls"] = [c.model_dump() for c in m.tool_calls]
     if m.tool_call_id is not None:
         turn["tool_call_id"] = m.tool_call_id
     return turn

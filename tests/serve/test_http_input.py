@@ -66,6 +66,15 @@ def test_wrong_types_are_400_naming_the_field(raw, words):
     assert err.status == 400 and words in err.message
 
 
+def test_malformed_tool_call_in_a_message_is_400_naming_it():
+    """Tool calls sent back in a conversation are typed. Seen failing with them untyped
+    (list[dict]): {"a": 1} was accepted and the tool-rendering test template then raised
+    jinja2's UndefinedError ('dict object' has no attribute 'function'), a 500."""
+    raw = b'{"model": "tiny", "messages": [{"role": "assistant", "tool_calls": [{"a": 1}]}]}'
+    err = error_of(raw, ChatCompletionRequest)
+    assert err.status == 400 and err.param == "messages.0.tool_calls.0.id"
+
+
 def test_body_size_limit_is_413():
     async def chunks(parts):
         for p in parts:
