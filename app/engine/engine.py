@@ -194,10 +194,8 @@ class Engine:
         for seq, why in self.structured.poll():
             log.warning("request %s: %s", seq.request_id, why)
             self._end(seq, "abort")
-        exported, failed = self.transfers.poll()  # finished KV transfers (side thread)
-        for request_id, error in failed:
-            self._end_request(request_id, "error", error)
-        deltas, self._pending = self._pending + exported, []
+        deltas = self._apply_transfers()
+        deltas, self._pending = self._pending + deltas, []
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
         out = self.scheduler.schedule()
@@ -218,6 +216,17 @@ class Engine:
         if self.speculator is not None:
             self.speculator.after_step(out.scheduled, starts, self.runner.last_hidden)
         return deltas
+
+    def _apply_transfers(self) -> list[RequestDelta]:
+        """KV transfers the side thread finished: export deltas, failed requests, and
+        imported chunks whose tag failed (reported with the request's first token)."""
+        done = self.transfers.poll()
+        for request_id, error in done.failed:
+            self._end_request(request_id, "error", error)
+        for request_id, rejected in done.rejected:
+            for seq in self.seqs.get(request_id, [])[:1]:
+                seq.kv_rejected = rejected
+        return done.deltas
 
     def _apply(self, out: SchedulerOutput, sampled: list[Sequence], emitted: list) -> list:
         """A step's results: progress and full blocks, new tokens, finished sequences."""
@@ -263,6 +272,8 @@ class Engine:
                 break
         if self.speculator is not None:
             self.speculator.settle(seq, len(delta.new_token_ids))
+        if seq.kv_rejected and delta is not None:
+            delta.kv_rejected, seq.kv_rejected = seq.kv_rejected, None
         return delta
 
     def _finish(self, seq: Sequence) -> None:

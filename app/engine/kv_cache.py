@@ -14,6 +14,8 @@ from app.kv.layout import KVCacheSpec
 
 
 class KVCache:
+    layer_writes = True  # write_layer_blocks writes every head (a TP shard's cache: False)
+
     def __init__(self, spec: KVCacheSpec, num_blocks: int, device):
         if num_blocks <= 0:
             raise ValueError("KV cache budget is smaller than one block")
@@ -51,3 +53,19 @@ class KVCache:
             self.kv[:, :, block, : hi - lo] = kv[:, :, lo:hi].to(self.kv.dtype)
             if self.scales is not None:
                 self.scales[:, :, block, : hi - lo] = scales[:, :, lo:hi]
+
+    def write_layer_blocks(self, layer: int, block_ids: list[int], kv: torch.Tensor, scales):
+        """One layer of whole blocks: kv [P, len(block_ids) * block_size, Hkv, D], scales
+        [P, same, Hkv] or None (an import writes layer by layer, checking the tag as it goes)."""
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.kv.device)
+        shape = (kv.shape[0], len(block_ids), self.spec.block_size)
+        src = kv.reshape(*shape, *kv.shape[2:]).to(self.kv.device, self.kv.dtype)
+        _bits(self.kv[layer]).index_copy_(1, ids, _bits(src))  # no index_copy_ for FP8
+        if self.scales is not None:
+            src = scales.reshape(*shape, *scales.shape[2:]).to(self.kv.device)
+            self.scales[layer].index_copy_(1, ids, src)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """t viewed as the integer type of its width (copies bits, whatever the dtype)."""
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])

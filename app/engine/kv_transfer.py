@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from app.engine.kv_cache import KVCache
-from app.kv.chunk import ChunkMeta, ChunkMismatchError, KVChunk
+from app.kv.chunk import ChunkIntegrityError, ChunkMeta, ChunkMismatchError, KVChunk
 from app.kv.keys import BlockHash, chain_hashes, chunk_hash, next_hash
 from app.kv.layout import KVCacheSpec
 
@@ -76,24 +76,61 @@ def plan_import(
     return run, hashes
 
 
-def write_import(cache: KVCache, fmt: ChunkFormat, chunks: list[KVChunk], hold) -> int:
+def write_import(
+    cache: KVCache, fmt: ChunkFormat, chunks: list[KVChunk], hold
+) -> tuple[int, list[tuple[bytes, str]]]:
     """Writes the hold's fresh blocks from chunks (the transfer worker's half of an import;
-    hold: block_manager.ImportHold over chunks' whole blocks, in order). Returns how many of
-    the hold's blocks are valid: all of them, or those before the first chunk whose tag
-    does not match its bytes."""
+    hold: block_manager.ImportHold over chunks' whole blocks, in order).
+
+    A chunk decoded without its tag check (``verified`` False) is checked here, in the same
+    pass as the write. Returns (blocks of the hold that are valid: all, or those before the
+    first chunk whose tag does not match its bytes; [(key, why)] of that chunk)."""
     bs, first, fresh = fmt.spec.block_size, 0, set(hold.fresh)
     for chunk in chunks:
         mine = range(first, min(first + chunk.meta.num_tokens // bs, hold.num_blocks))
-        if not mine:
-            break
-        kv, scales = chunk.to_tensors()  # kv: [L, P, n, Hkv, D], CPU views of the payload
-        for i in mine:
-            if i in fresh:
-                sl = slice((i - first) * bs, (i - first + 1) * bs)
-                sc = None if scales is None else scales[:, :, sl]
-                cache.write_tokens([hold.block_ids[i]], kv[:, :, sl], sc)
+        todo = [i - first for i in mine if i in fresh]  # block offsets inside the chunk
+        if todo:
+            ids = [hold.block_ids[first + j] for j in todo]
+            try:
+                _write_chunk(cache, chunk, todo, ids, bs)
+            except ChunkIntegrityError as e:
+                log.warning("kv_import stopped at token %d: %s", first * bs, e)
+                return first, [(chunk.key or b"", str(e))]
         first = mine.stop
-    return hold.num_blocks
+    return hold.num_blocks, []
+
+
+def _write_chunk(cache: KVCache, chunk: KVChunk, todo: list[int], ids: list[int], bs: int):
+    """Writes the chunk's blocks todo (offsets) into cache blocks ids; checks the tag first
+    if the chunk is unverified (layer by layer, right before each layer's write)."""
+    kv, scales = chunk.to_tensors()  # kv: [L, P, n, Hkv, D], CPU views of the payload
+    if not cache.layer_writes:  # a TP shard: verify, then write_tokens splits the heads
+        if not chunk.verified:
+            chunk.verify_tag()
+        for j, block_id in zip(todo, ids):
+            sl = slice(j * bs, (j + 1) * bs)
+            cache.write_tokens(
+                [block_id], kv[:, :, sl], None if scales is None else scales[:, :, sl]
+            )
+        return
+    hasher = None if chunk.verified else chunk.tag_hasher()
+    whole = len(todo) * bs == kv.shape[2]
+    per_layer = kv[0].numel() * kv.element_size()  # payload: kv layer by layer, then scales
+    pick = torch.tensor([j * bs + t for j in todo for t in range(bs)], dtype=torch.long)
+    for layer in range(kv.shape[0]):
+        if hasher is not None:
+            hasher.update(chunk.payload[layer * per_layer : (layer + 1) * per_layer])
+        src = kv[layer] if whole else kv[layer].index_select(1, pick)  # [P, T, Hkv, D]
+        sc = (
+            None
+            if scales is None
+            else (scales[layer] if whole else scales[layer].index_select(1, pick))
+        )
+        cache.write_layer_blocks(layer, ids, src, sc)
+    if hasher is not None:
+        if scales is not None:
+            hasher.update(chunk.payload[kv.numel() * kv.element_size() :])
+        chunk.check_tag(hasher.intdigest())
 
 
 def _verified_hashes(

@@ -51,6 +51,9 @@ class RequestDelta:
     num_cached_tokens: int = 0
     exported_chunks: list[Any] | None = None
     error: str | None = None  # finish_reason "error": why this request failed (only it)
+    # [(chunk key, why)]: kv_import chunks whose tag failed in the import (recomputed); the
+    # replica drops them from the store
+    kv_rejected: list[tuple[bytes, str]] | None = None
 
 
 @dataclass(slots=True)

@@ -191,6 +191,8 @@ class DriverRunner(ModelRunner):
 class ShardedKVCache(KVCache):
     """Rank 0's cache: its shard for attention, full heads for chunks (every rank joins)."""
 
+    layer_writes = False  # chunks carry every head: write_tokens splits them over ranks
+
     def __init__(self, spec, num_blocks: int, device, driver: TPDriver):
         super().__init__(spec, num_blocks, device)
         self.driver = driver

@@ -29,7 +29,7 @@ import dataclasses
 import logging
 import queue
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -61,6 +61,16 @@ class ImportJob:
     hold: ImportHold
     after: Any = None  # CUDA event: blocks handed over are no longer read by the step
     cancelled: bool = False
+
+
+@dataclass(slots=True)
+class Polled:
+    """What finished since the last poll, for the engine to apply."""
+
+    deltas: list[RequestDelta] = field(default_factory=list)  # exports (chunks or error)
+    failed: list[tuple[str, str]] = field(default_factory=list)  # (request id, why)
+    # (request id, [(chunk key, why)]): imported chunks whose tag failed; recomputed
+    rejected: list[tuple[str, list]] = field(default_factory=list)
 
 
 class Transfers:
@@ -116,14 +126,14 @@ class Transfers:
                 closing.append(_ended(job.delta, "abort"))
         return closing
 
-    def poll(self) -> tuple[list[RequestDelta], list[tuple[str, str]]]:
-        """Applies finished jobs: (export deltas, [(request id, error)] of failed imports)."""
-        deltas, failed = [], []
+    def poll(self) -> Polled:
+        """Applies the jobs the worker finished since the last poll."""
+        out = Polled()
         while True:
             try:
                 job, result, error = self._done.get_nowait()
             except queue.Empty:
-                return deltas, failed
+                return out
             jobs = self._jobs[job.request_id]
             jobs.remove(job)
             if not jobs:
@@ -131,16 +141,18 @@ class Transfers:
             if isinstance(job, ExportJob):
                 self.blocks.release(job.block_ids)
                 if not job.cancelled:
-                    deltas.append(_exported(job.delta, result, error))
+                    out.deltas.append(_exported(job.delta, result, error))
             elif job.cancelled or error is not None:
                 self.blocks.release_hold(job.hold)
                 if not job.cancelled:
-                    failed.append((job.request_id, f"KV import failed: {error}"))
+                    out.failed.append((job.request_id, f"KV import failed: {error}"))
             else:
-                num_valid, written = result
+                num_valid, rejected, written = result
                 if written is not None:  # the compute stream waits for the side stream
                     torch.cuda.current_stream().wait_event(written)
                 self.blocks.commit_import(job.hold, num_valid)
+                if rejected:
+                    out.rejected.append((job.request_id, rejected))
 
     def wait(self, timeout: float) -> None:
         """Idles until a job finishes (or timeout): a step with nothing to run."""
@@ -197,12 +209,12 @@ class Transfers:
             if kv.device.type != "cpu":  # the chunk payload is host memory
                 kv, scales = kv.cpu(), None if scales is None else scales.cpu()
             return encode_chunks(self.fmt, job.token_ids, kv, scales, job.salt)
-        num_valid = write_import(self.cache, self.fmt, job.chunks, job.hold)
+        num_valid, rejected = write_import(self.cache, self.fmt, job.chunks, job.hold)
         written = None
         if self._stream is not None:
             written = torch.cuda.Event()
             written.record(self._stream)
-        return num_valid, written
+        return num_valid, rejected, written
 
 
 def _exported(delta: RequestDelta, chunks, error) -> RequestDelta:

@@ -18,6 +18,7 @@ import torch
 from app.kv.chunk_header import (
     MAGIC,
     PREFIX,
+    TAG_SLOT,
     ChunkError,
     ChunkIntegrityError,
     ChunkMeta,
@@ -26,7 +27,9 @@ from app.kv.chunk_header import (
     header_values,
     hex_key,
     numel,
+    pack_framing,
     parse,
+    tag_hasher,
 )
 from app.kv.dtypes import kv_dtype
 
@@ -38,6 +41,11 @@ class KVChunk:
     meta: ChunkMeta
     payload: memoryview = field(repr=False)
     tag: int
+    # The encoded chunk (framing + payload) when payload is a view of it: encode() is free.
+    wire: bytearray | memoryview | None = field(default=None, repr=False, compare=False)
+    # False: decoded with verify_tag=False; the reader must check the tag (check_tag) before
+    # the KV is used (the engine's import does it in the same pass as the cache write).
+    verified: bool = True
 
     @property
     def key(self) -> bytes | None:
@@ -69,14 +77,15 @@ class KVChunk:
         ):
             got = None if scales is None else (tuple(scales.shape), scales.dtype)
             raise ValueError(f"{dtype.name} chunk needs {dtype.scale} scales {scale_shape}: {got}")
-        buf = bytearray(meta.payload_len())  # one copy from the cache into the payload
-        flat = _view(memoryview(buf), torch.uint8)
-        kv_bytes = kv.numel() * kv.element_size()
-        flat[:kv_bytes].copy_(_as_bytes(kv))
-        if scales is not None:
-            flat[kv_bytes:].copy_(_as_bytes(scales))
-        payload = memoryview(buf)
-        return cls(meta, payload, compute_tag(meta, payload))
+        framing = pack_framing(meta, meta.payload_len())
+        wire = bytearray(len(framing) + meta.payload_len())  # the one copy out of the cache
+        wire[: len(framing)] = framing
+        payload = memoryview(wire)[len(framing) :]
+        hasher = tag_hasher(meta, len(payload))
+        _fill(payload, kv, scales, hasher)  # the tag in the same pass as the copy
+        tag = hasher.intdigest()
+        TAG_SLOT.pack_into(wire, len(framing) - TAG_SLOT.size, tag)
+        return cls(meta, payload, tag, wire)
 
     def to_tensors(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(kv [L, P, n, Hkv, D], scales [L, P, n, Hkv] | None), CPU views of the payload.
@@ -94,9 +103,28 @@ class KVChunk:
     def header_dict(self) -> dict:
         return {**header_values(self.meta, len(self.payload)), "tag": self.tag}
 
-    def encode(self) -> bytes:
+    def encode(self) -> bytes | bytearray | memoryview:
+        """The wire form (no copy when this chunk was built or decoded here: its own
+        buffer, which the caller must not modify)."""
+        if self.wire is not None:
+            return self.wire
         header = msgpack.packb(self.header_dict(), use_bin_type=True)
         return b"".join((PREFIX.pack(MAGIC, len(header)), header, self.payload))
+
+    def tag_hasher(self):
+        """xxh3 fed this chunk's header: feed it payload pieces in order, then check_tag."""
+        return tag_hasher(self.meta, len(self.payload))
+
+    def check_tag(self, computed: int) -> None:
+        if computed != self.tag:
+            raise ChunkIntegrityError(
+                f"chunk {hex_key(self.meta.key)} tag mismatch: header says {self.tag:#018x}, "
+                f"content hashes to {computed:#018x}"
+            )
+
+    def verify_tag(self) -> None:
+        """The whole-payload tag check (one pass of its own)."""
+        self.check_tag(compute_tag(self.meta, self.payload))
 
     @classmethod
     def decode(
@@ -108,20 +136,19 @@ class KVChunk:
         expected_kv_dtype: str | None = None,
         expected_key: bytes | None = None,
         expected_token_ids: tuple[int, ...] | list[int] | None = None,
+        verify_tag: bool = True,
     ) -> KVChunk:
         """Parse and verify a buffer; the payload is a zero-copy view of ``buf``.
 
         Raises ChunkIntegrityError on damaged bytes and ChunkMismatchError when the chunk is
-        intact but differs from an expectation.
+        intact but differs from an expectation. verify_tag=False leaves the payload's tag to
+        the reader (``verified`` is False): framing, header and expectations are checked.
         """
-        meta, payload, tag = parse(memoryview(buf).cast("B"))
-        expected_tag = compute_tag(meta, payload)
-        if tag != expected_tag:
-            raise ChunkIntegrityError(
-                f"chunk {hex_key(meta.key)} tag mismatch: header says {tag:#018x}, "
-                f"content hashes to {expected_tag:#018x}"
-            )
-        chunk = cls(meta, payload, tag)
+        view = memoryview(buf).cast("B")
+        meta, payload, tag = parse(view)
+        chunk = cls(meta, payload, tag, view, verified=verify_tag)
+        if verify_tag:
+            chunk.verify_tag()
         chunk.check(
             fingerprint=expected_fingerprint,
             layout=expected_layout,
@@ -162,12 +189,21 @@ class KVChunk:
             )
 
 
+def _fill(payload: memoryview, kv: torch.Tensor, scales, hasher) -> None:
+    """Copies kv [L, P, n, Hkv, D] then scales [L, P, n, Hkv] into payload one layer at a
+    time, hashing each layer's bytes right after its copy, while they are still in cache."""
+    off = 0
+    for t in (kv,) if scales is None else (kv, scales):
+        for layer in t.unbind(0):
+            size = layer.numel() * layer.element_size()
+            dst = _view(payload[off : off + size], torch.uint8).view(layer.dtype)
+            dst.view(layer.shape).copy_(layer)
+            hasher.update(payload[off : off + size])
+            off += size
+
+
 def _dtype_name(name: str) -> str:
     return kv_dtype(name).name
-
-
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().view(torch.uint8).reshape(-1).cpu()
 
 
 def _view(mv: memoryview, dtype: torch.dtype) -> torch.Tensor:

@@ -148,11 +148,28 @@ def header_values(m: ChunkMeta, payload_len: int) -> dict:
     return dict(zip(_FIELDS, values))
 
 
+def tag_hasher(meta: ChunkMeta, payload_len: int) -> xxhash.xxh3_64:
+    """xxh3_64 fed the canonical header: feed it the payload, in order, in any pieces."""
+    canonical = list(header_values(meta, payload_len).values())
+    return xxhash.xxh3_64(msgpack.packb(canonical, use_bin_type=True))
+
+
 def compute_tag(meta: ChunkMeta, payload: memoryview) -> int:
-    canonical = list(header_values(meta, len(payload)).values())
-    h = xxhash.xxh3_64(msgpack.packb(canonical, use_bin_type=True))
+    h = tag_hasher(meta, len(payload))
     h.update(payload)
     return h.intdigest()
+
+
+def pack_framing(meta: ChunkMeta, payload_len: int) -> bytes:
+    """PREFIX + msgpack header of a chunk whose tag is not known yet: the tag is the last
+    field, packed as a fixed-width uint64 whose 8 big-endian bytes end the returned bytes
+    (TAG_SLOT.pack_into(buf, len(framing) - 8, tag) fills it in)."""
+    header = msgpack.packb({**header_values(meta, payload_len), "tag": 2**64 - 1})
+    assert header[-9] == 0xCF  # msgpack uint64: the slot is the last 8 bytes
+    return PREFIX.pack(MAGIC, len(header)) + header
+
+
+TAG_SLOT = struct.Struct(">Q")
 
 
 def numel(shape: tuple[int, ...]) -> int:

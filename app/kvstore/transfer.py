@@ -78,12 +78,17 @@ async def fetch_verified(
     prompt_token_ids: Sequence[int],
     *,
     timeout_s: float = 30.0,
+    verify_tag: bool = True,
 ) -> FetchResult:
     """Fetch ``stored`` (consecutive chunks of the prompt, from position 0) and verify each.
 
     Returns the run of verified chunks before the first failure. Failed chunks are dropped
     from the store with reason "fetch" (object missing, owner died, timeout) or "integrity"
     (bad tag, wrong model/layout/key/tokens), which the store counts.
+
+    verify_tag=False checks everything but the payload's tag: the chunks come back with
+    ``verified`` False and the engine's import checks the tag in the same pass as its
+    cache write (a decode replica then drops what the engine rejects: ``drop_rejected``).
     """
     result = FetchResult()
     if not stored:
@@ -97,7 +102,7 @@ async def fetch_verified(
         if isinstance(buf, BaseException):
             chunk, reason, msg = None, "fetch", f"{type(buf).__name__}: {buf}"
         else:
-            chunk, msg = _verify(buf, s, expect, prompt_token_ids, pos)
+            chunk, msg = _verify(buf, s, expect, prompt_token_ids, pos, verify_tag)
             reason = "integrity"
         result.verify_s += time.perf_counter() - t1
         if chunk is None:
@@ -126,6 +131,7 @@ def _verify(
     expect: ChunkExpectation,
     prompt_token_ids: Sequence[int],
     pos: int,
+    verify_tag: bool = True,
 ) -> tuple[KVChunk | None, str]:
     try:
         chunk = KVChunk.decode(
@@ -134,6 +140,7 @@ def _verify(
             expected_layout=expect.layout,
             expected_kv_dtype=expect.kv_dtype,
             expected_key=stored.key or None,
+            verify_tag=verify_tag,
         )
     except ChunkError as e:
         return None, str(e)
@@ -147,3 +154,10 @@ def _verify(
     if tuple(prompt_token_ids[pos : pos + n]) != chunk.token_ids or pos + n > len(prompt_token_ids):
         return None, f"chunk token ids differ from the prompt at positions {pos}..{pos + n}"
     return chunk, ""
+
+
+async def drop_rejected(client: KVStoreClient, rejected: Sequence[tuple[bytes, str]]) -> None:
+    """Chunks whose tag the engine's import rejected: dropped and counted like a failed fetch."""
+    for key, msg in rejected:
+        logger.warning("dropping KV chunk %s (integrity): %s", key.hex()[:16], msg)
+    await asyncio.gather(*(client.drop(key, "integrity") for key, _ in rejected))

@@ -29,7 +29,9 @@ class DecodeServer(EngineReplica):
         host = self.host
         host.inflight_tokens += len(prompt)
         try:
-            fetched = await host.fetch(req.prefill.chunks, prompt)
+            # The tags are checked by the engine's import, in the same pass as its cache
+            # write (app/engine/kv_transfer.py); what it rejects is dropped below.
+            fetched = await host.fetch(req.prefill.chunks, prompt, verify_tag=False)
             params = gen.params
             request = Request(
                 gen.request_id,
@@ -41,10 +43,17 @@ class DecodeServer(EngineReplica):
                 kv_import=fetched.chunks or None,
                 prior_output_ids=list(first.new_token_ids),  # a grammar replays them
             )
-            deltas = host.async_engine.generate(request)
+            deltas = self._drop_rejected(host.async_engine.generate(request))
             # timed: inter-token latency on this replica (the first token came from prefill)
             timed = host.metrics.timed(deltas, len(prompt), count=False, after_first_token=True)
             async for delta in coalesce(timed, self.args.stream_interval_s):
                 yield dataclasses.replace(delta, num_prompt_tokens=len(prompt))
         finally:
             host.inflight_tokens -= len(prompt)
+
+    async def _drop_rejected(self, deltas: AsyncIterator[RequestDelta]):
+        async for delta in deltas:
+            if delta.kv_rejected:
+                await self.host.drop_rejected(delta.kv_rejected)
+                delta = dataclasses.replace(delta, kv_rejected=None)
+            yield delta

@@ -15,7 +15,7 @@ from app.engine.async_engine import AsyncEngine
 from app.engine.engine import Engine
 from app.kv.chunk import KVChunk
 from app.kvstore.store import KVStoreClient, StoredChunk
-from app.kvstore.transfer import ChunkExpectation, FetchResult, fetch_verified
+from app.kvstore.transfer import ChunkExpectation, FetchResult, drop_rejected, fetch_verified
 from app.serve.autoscaling import autoscaling_stats
 from app.serve.config import EngineArgs, ServeArgs
 from app.serve.messages import prompt_chunk_keys, short_key
@@ -126,13 +126,24 @@ class EngineHost:
             run += 1
         return run
 
-    async def fetch(self, stored: list[StoredChunk], prompt: list[int]) -> FetchResult:
+    async def fetch(
+        self, stored: list[StoredChunk], prompt: list[int], verify_tag: bool = True
+    ) -> FetchResult:
+        """verify_tag=False: the engine's import checks the tags (drop_rejected after)."""
         assert self.store is not None
-        result = await fetch_verified(self.store, stored, self.expect, prompt)
+        result = await fetch_verified(
+            self.store, stored, self.expect, prompt, verify_tag=verify_tag
+        )
         self.metrics.on_chunks("fetch", result.bytes)
         self.metrics.on_chunk_failures(result.failures)
         self.remember(c.key for c in result.chunks if c.key)
         return result
+
+    async def drop_rejected(self, rejected: list[tuple[bytes, str]]) -> None:
+        """Imported chunks whose tag the engine rejected (it recomputed their KV)."""
+        assert self.store is not None
+        await drop_rejected(self.store, rejected)
+        self.metrics.on_chunk_failures([(key, "integrity", msg) for key, msg in rejected])
 
     def remember(self, keys) -> None:
         for key in keys:

@@ -15,6 +15,7 @@ from app.engine.async_engine import AsyncEngine
 from app.engine.engine import Engine
 from app.engine.request import Request, RequestError
 from app.engine.sampling_params import SamplingParams
+from app.kv.chunk import KVChunk
 from app.kv.keys import chain_hashes, make_salt
 
 PROMPT = [3 + (i * 7) % 300 for i in range(75)]  # chunks of 32 + 32 + 11 tokens
@@ -173,3 +174,25 @@ def test_worker_failure_fails_only_its_request(llama_path, exported, reference, 
     assert tokens(other) == reference[1]
     blocks = engine.engine.blocks
     assert blocks.num_free == blocks.num_blocks and blocks.num_held == 0
+
+
+def test_import_checks_the_tag_of_an_unverified_chunk(llama_path, exported, reference):
+    """A decode replica hands the engine chunks whose tag is not checked yet; the import
+    checks it while writing, keeps the blocks before the damaged chunk, recomputes the rest
+    and reports the chunk for the store to drop.
+
+    Seen failing: with chunk.check_tag skipped in kv_transfer._write_chunk, the damaged
+    chunk was imported (64 cached tokens) and nothing was reported."""
+    first, chunks = exported
+    damaged = bytearray(chunks[1].encode())
+    damaged[len(damaged) - chunks[1].nbytes + 5] ^= 0x40  # one KV byte of layer 0
+    offered = [KVChunk.decode(bytes(c), verify_tag=False) for c in (chunks[0].encode(), damaged)]
+    assert not offered[1].verified
+    decode = make_engine(llama_path)
+    decode.add_request(Request("d", PROMPT + first, GREEDY, kv_import=offered))
+    done = drain(decode)["d"]
+    assert done[0].num_cached_tokens == 32
+    ((key, why),) = done[0].kv_rejected
+    assert key == chunks[1].key and "tag mismatch" in why
+    assert first + tokens(done)[: GREEDY.max_tokens - 1] == reference[0]
+    assert decode.blocks.num_free == decode.blocks.num_blocks
