@@ -54,18 +54,22 @@ class KVCache:
             if self.scales is not None:
                 self.scales[:, :, block, : hi - lo] = scales[:, :, lo:hi]
 
-    def write_layer_blocks(self, layer: int, block_ids: list[int], kv: torch.Tensor, scales):
-        """One layer of whole blocks: kv [P, len(block_ids) * block_size, Hkv, D], scales
-        [P, same, Hkv] or None (an import writes layer by layer, checking the tag as it goes)."""
-        ids = torch.tensor(block_ids, dtype=torch.long, device=self.kv.device)
-        shape = (kv.shape[0], len(block_ids), self.spec.block_size)
-        src = kv.reshape(*shape, *kv.shape[2:]).to(self.kv.device, self.kv.dtype)
-        _bits(self.kv[layer]).index_copy_(1, ids, _bits(src))  # no index_copy_ for FP8
-        if self.scales is not None:
-            src = scales.reshape(*shape, *scales.shape[2:]).to(self.kv.device)
-            self.scales[layer].index_copy_(1, ids, src)
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """t viewed as the integer type of its width (copies bits, whatever the dtype)."""
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+    def write_layer_blocks(self, layer: int, blocks: list[tuple[int, int]], kv, scales) -> None:
+        """One layer of whole blocks: (j, block_id) pairs take tokens [j*bs, (j+1)*bs) of
+        kv [P, n, Hkv, D] (scales [P, n, Hkv] or None). An import writes layer by layer,
+        checking the tag as it goes; runs of consecutive blocks are one copy each."""
+        bs, start = self.spec.block_size, 0
+        for end in range(1, len(blocks) + 1):
+            if end < len(blocks) and blocks[end] == (
+                blocks[end - 1][0] + 1,
+                blocks[end - 1][1] + 1,
+            ):
+                continue
+            (j, block), k = blocks[start], end - start
+            tokens = slice(j * bs, (j + k) * bs)
+            dst = self.kv[layer, :, block : block + k]  # [P, k, bs, Hkv, D]
+            dst.copy_(kv[:, tokens].reshape(dst.shape))
+            if self.scales is not None:
+                dst = self.scales[layer, :, block : block + k]
+                dst.copy_(scales[:, tokens].reshape(dst.shape))
+            start = end

@@ -114,19 +114,13 @@ def _write_chunk(cache: KVCache, chunk: KVChunk, todo: list[int], ids: list[int]
             )
         return
     hasher = None if chunk.verified else chunk.tag_hasher()
-    whole = len(todo) * bs == kv.shape[2]
     per_layer = kv[0].numel() * kv.element_size()  # payload: kv layer by layer, then scales
-    pick = torch.tensor([j * bs + t for j in todo for t in range(bs)], dtype=torch.long)
+    pairs = list(zip(todo, ids))
     for layer in range(kv.shape[0]):
         if hasher is not None:
             hasher.update(chunk.payload[layer * per_layer : (layer + 1) * per_layer])
-        src = kv[layer] if whole else kv[layer].index_select(1, pick)  # [P, T, Hkv, D]
-        sc = (
-            None
-            if scales is None
-            else (scales[layer] if whole else scales[layer].index_select(1, pick))
-        )
-        cache.write_layer_blocks(layer, ids, src, sc)
+        sc = None if scales is None else scales[layer]
+        cache.write_layer_blocks(layer, pairs, kv[layer], sc)
     if hasher is not None:
         if scales is not None:
             hasher.update(chunk.payload[kv.numel() * kv.element_size() :])

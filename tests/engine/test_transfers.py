@@ -196,3 +196,33 @@ def test_import_checks_the_tag_of_an_unverified_chunk(llama_path, exported, refe
     assert key == chunks[1].key and "tag mismatch" in why
     assert first + tokens(done)[: GREEDY.max_tokens - 1] == reference[0]
     assert decode.blocks.num_free == decode.blocks.num_blocks
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "bfloat16"])
+def test_layer_writes_equal_block_writes(kv_dtype):
+    """The import's layer-by-layer write (runs of consecutive blocks, gaps, one block alone)
+    puts every byte where write_tokens puts it.
+
+    Seen failing: with each run taken from its last pair instead of its first, the copy of
+    the (1, 6), (2, 7) run raised (the wrong token slice for the run's shape)."""
+    import torch
+
+    from app.engine.kv_cache import KVCache
+    from app.kv.layout import KVCacheSpec
+
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, dtype=kv_dtype)
+    kv = torch.randn(2, 2, 20, 2, 4).to(spec.dtype.storage)  # 5 blocks of a chunk
+    scales = (
+        torch.randint(-8, 4, (2, 2, 20, 2), dtype=torch.int8) if spec.dtype.has_scales else None
+    )
+    pairs = [(0, 5), (1, 6), (2, 7), (4, 1)]  # chunk block 3 was cached: not written
+    by_layer, by_block = KVCache(spec, 8, "cpu"), KVCache(spec, 8, "cpu")
+    for layer in range(2):
+        sc = None if scales is None else scales[layer]
+        by_layer.write_layer_blocks(layer, pairs, kv[layer], sc)
+    for j, block in pairs:
+        sl = slice(j * 4, (j + 1) * 4)
+        by_block.write_tokens([block], kv[:, :, sl], None if scales is None else scales[:, :, sl])
+    assert torch.equal(by_layer.kv.view(torch.uint8), by_block.kv.view(torch.uint8))
+    if scales is not None:
+        assert torch.equal(by_layer.scales, by_block.scales)
