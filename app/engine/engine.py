@@ -277,6 +277,8 @@ class Engine:
         return delta
 
     def _finish(self, seq: Sequence) -> None:
+        if seq.kv_hold is not None:  # ended before admission (e.g. its grammar failed)
+            self._pending += self.transfers.cancel(seq.request_id, [seq])
         self.scheduler.remove(seq)
         siblings = self.seqs.get(seq.request_id, [])
         if all(s.finished for s in siblings):

@@ -226,3 +226,20 @@ def test_layer_writes_equal_block_writes(kv_dtype):
     assert torch.equal(by_layer.kv.view(torch.uint8), by_block.kv.view(torch.uint8))
     if scales is not None:
         assert torch.equal(by_layer.scales, by_block.scales)
+
+
+def test_request_ended_before_admission_gives_its_hold_back(llama_path, exported):
+    """A waiting request that ends without running (as when its grammar fails to compile:
+    Engine._end) releases its import hold.
+
+    Seen failing: without the hold check in Engine._finish, 4 blocks stayed pinned."""
+    first, chunks = exported
+    engine = make_engine(llama_path, max_num_seqs=1)
+    engine.add_request(Request("busy", PROMPT[::-1], GREEDY))
+    engine.step()  # "busy" runs; "a" below must wait (max_num_seqs=1)
+    engine.add_request(Request("a", PROMPT + first, GREEDY, kv_import=chunks))
+    while not engine.seqs["a"][0].kv_hold.ready:
+        engine.step()
+    engine._end(engine.seqs["a"][0], "abort")
+    drain(engine)
+    assert engine.blocks.num_free == engine.blocks.num_blocks and engine.blocks.num_held == 0
