@@ -21,7 +21,7 @@ from app.engine.kv_transfer import ChunkFormat
 from app.engine.model_runner import ModelRunner
 from app.engine.outputs import OutputProcessor
 from app.engine.request import Request, RequestDelta
-from app.engine.sampler import SamplingBatch, sample
+from app.engine.sampler import GREEDY_EPS, SamplingBatch, sample
 from app.engine.sampling_params import SamplingParams
 from app.engine.scheduler import Scheduler, SchedulerOutput
 from app.engine.sequence import SeqStatus, Sequence
@@ -254,6 +254,8 @@ class Engine:
             return []
         if self.speculator is not None:
             return self.speculator.verify(logits, sampled)
+        if all(_plain_greedy(s.params) for s in sampled):  # what sample() does, minus the
+            return [[(t, None)] for t in logits.argmax(-1).tolist()]  # [B] tensors it builds
         batch = SamplingBatch.from_seqs(sampled, logits.shape[-1], logits.device)
         result = sample(logits, batch)
         return [[pair] for pair in zip(result.token_ids, result.logprobs)]
@@ -316,3 +318,8 @@ class Engine:
             "preemptions": self.scheduler.num_preemptions,
             **(self.speculator.stats.as_dict() if self.speculator is not None else {}),
         }
+
+
+def _plain_greedy(p: SamplingParams) -> bool:
+    """Greedy with no penalties and no logprobs: the token is the logits' argmax."""
+    return p.temperature < GREEDY_EPS and not p.has_penalties and p.logprobs is None
