@@ -114,7 +114,7 @@ def gemm_inputs(m, k, n, group, device, dtype, gen):
 def bench_gemm_point(m, k, n, group, device, dtype, gen) -> list[dict]:
     """One (M, K, N): bf16 matmul, INT4 default path, and the other INT4 paths for M >= 256."""
     from kernels import reference
-    from kernels.int4_gemm import choose_config, int4_gemm
+    from kernels.int4_gemm_triton import choose_config, int4_gemm
 
     x, qweight, scales = gemm_inputs(m, k, n, group, device, dtype, gen)
     q = reference.unpack_int4(qweight).to(dtype)  # [N, K], the dense baseline's weight

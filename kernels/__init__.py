@@ -4,7 +4,9 @@ reference elsewhere.
 `force_triton()` (or SLIMSERVE_FORCE_TRITON=1) sends CPU tensors to the Triton kernels too,
 which then run under the interpreter (TRITON_INTERPRET=1 must be set before triton is
 imported). The `triton_*` names always run Triton. Importing this package never imports
-triton: the kernel modules load on first use.
+triton: the kernel modules load on first use. The Triton modules are named `*_triton`
+(`kernels/int4_gemm_triton.py`, ...) so that importing one never rebinds the dispatch
+function of the same name on this package.
 """
 
 from __future__ import annotations
@@ -13,8 +15,6 @@ import contextlib
 import functools
 import importlib
 import os
-import sys
-import types
 from collections.abc import Iterator
 
 import torch
@@ -38,29 +38,6 @@ __all__ = [
     "triton_paged_prefill_attention",
     "use_triton",
 ]
-
-_DISPATCH = (
-    "fp8_gemm",
-    "fused_moe",
-    "int4_gemm",
-    "kv_write",
-    "paged_decode_attention",
-    "paged_prefill_attention",
-)
-
-
-class _Package(types.ModuleType):
-    """Importing the submodule `kernels.int4_gemm` (or `kernels.kv_write`) would bind it as this
-    package's attribute of the same name, replacing the dispatch function: refuse that rebind.
-    The submodules stay importable (`from kernels.int4_gemm import ...`, sys.modules)."""
-
-    def __setattr__(self, name: str, value) -> None:
-        if name in _DISPATCH and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
 
 _force = os.environ.get("SLIMSERVE_FORCE_TRITON", "") == "1"
 
@@ -94,19 +71,19 @@ def _kernel(module: str, name: str):
 
 
 def triton_int4_gemm(*args, **kwargs) -> torch.Tensor:
-    return _kernel("int4_gemm", "int4_gemm")(*args, **kwargs)
+    return _kernel("int4_gemm_triton", "int4_gemm")(*args, **kwargs)
 
 
 def triton_fp8_gemm(*args, **kwargs) -> torch.Tensor:
-    return _kernel("fp8_gemm", "fp8_gemm")(*args, **kwargs)
+    return _kernel("fp8_gemm_triton", "fp8_gemm")(*args, **kwargs)
 
 
 def triton_fused_moe(*args, **kwargs) -> torch.Tensor:
-    return _kernel("fused_moe", "fused_moe")(*args, **kwargs)
+    return _kernel("fused_moe_triton", "fused_moe")(*args, **kwargs)
 
 
 def triton_kv_write(*args, **kwargs) -> None:
-    return _kernel("kv_write", "kv_write")(*args, **kwargs)
+    return _kernel("kv_write_triton", "kv_write")(*args, **kwargs)
 
 
 def triton_paged_decode_attention(*args, **kwargs) -> torch.Tensor:

@@ -29,15 +29,15 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-# Not `from kernels import int4_gemm`: that name is the dispatch function, not the module.
+# The Triton modules (kernels.int4_gemm is the dispatch function).
 attn_common, fp8_gemm, fused_moe, int4_gemm, kv_write, paged_decode, paged_prefill = (
     importlib.import_module(f"kernels.{m}")
     for m in (
         "attn_common",
-        "fp8_gemm",
-        "fused_moe",
-        "int4_gemm",
-        "kv_write",
+        "fp8_gemm_triton",
+        "fused_moe_triton",
+        "int4_gemm_triton",
+        "kv_write_triton",
         "paged_decode",
         "paged_prefill",
     )

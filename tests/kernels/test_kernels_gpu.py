@@ -70,7 +70,7 @@ def test_kv_write_gpu_bits_match_reference():
     slots = torch.randperm(64 * 16, generator=gen)[:300]
     slots[::7] = -1
     results = []
-    for fn in (reference.kv_write, _mod("kv_write").kv_write):
+    for fn in (reference.kv_write, _mod("kv_write_triton").kv_write):
         cache = filled_cache(FP8, 64, 16, 8, 128, torch.Generator().manual_seed(3))
         args = _cuda((k.bfloat16(), v.bfloat16(), *cache.args(), slots))
         fn(*args)
@@ -89,7 +89,7 @@ def test_int4_gemm_gpu(m, zeros):
     z = torch.randint(0, 16, (n, k // g), generator=gen, dtype=torch.uint8) if zeros else None
     x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
     args = _cuda((x, qw, s, z, g))
-    out = _mod("int4_gemm").int4_gemm(*args).float()
+    out = _mod("int4_gemm_triton").int4_gemm(*args).float()
     ref = reference.int4_gemm(*args).float()
     assert ((out - ref).abs().max() / ref.abs().max()).item() < 1e-2
 

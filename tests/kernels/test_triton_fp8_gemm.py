@@ -8,7 +8,7 @@ import torch
 from kernels import reference
 
 pytestmark = pytest.mark.triton
-gemm = pytest.importorskip("kernels.fp8_gemm")
+gemm = pytest.importorskip("kernels.fp8_gemm_triton")
 
 FP8 = torch.float8_e4m3fn
 # Relative (to max |y|) error: the FP8 weight is exact in fp16/fp32, so only x's rounding

@@ -10,7 +10,7 @@ from kernels import reference
 from kernels.moe_common import MoEWeights, align_rows, fused_moe_torch
 
 pytestmark = pytest.mark.triton
-fused = pytest.importorskip("kernels.fused_moe")
+fused = pytest.importorskip("kernels.fused_moe_triton")
 
 FP8 = torch.float8_e4m3fn
 # Relative to max |out|: fp32 differs only in summation order; fp16 rounds x, the

@@ -8,7 +8,7 @@ import torch
 from kernels import reference
 
 pytestmark = pytest.mark.triton
-gemm = pytest.importorskip("kernels.int4_gemm")
+gemm = pytest.importorskip("kernels.int4_gemm_triton")
 
 # Relative (to max |y|) error per activation dtype: fp16 rounds x and the dequantized W once.
 REL_TOL = {torch.float16: 2e-3, torch.float32: 1e-5}

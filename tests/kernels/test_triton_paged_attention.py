@@ -11,7 +11,7 @@ from kernels import reference
 pytestmark = pytest.mark.triton
 decode = pytest.importorskip("kernels.paged_decode")
 prefill = pytest.importorskip("kernels.paged_prefill")
-from kernels.kv_write import kv_write as kv_write_triton  # noqa: E402
+from kernels.kv_write_triton import kv_write as kv_write_triton  # noqa: E402
 
 CACHE_DTYPES = [FP8, torch.float16, torch.float32]
 

@@ -7,7 +7,7 @@ expert to BLOCK_M (kernels/moe_common.py `align_rows`), so each M tile belongs t
 3. combine: `out[t] = sum_j out_rows[t * k + j]` (a sum over a view; deterministic).
 
 Expert weights: dense (fp16/bf16/fp32), FP8 e4m3 with block scales (dequantized in the
-tile, the scale applied to the fp32 partial product per K tile as in fp8_gemm.py), or INT4
+tile, the scale applied to the fp32 partial product per K tile as in fp8_gemm_triton.py), or INT4
 (kernels/README.md packing, groups 32/64/128, unpacked in registers by int4_gemm's
 `_unpack_words`). One launch per projection whatever the number of active experts.
 """
@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from kernels.fp8_utils import e4m3_bits_to_fp16
-from kernels.int4_gemm import _unpack_words
+from kernels.int4_gemm_triton import _unpack_words
 from kernels.moe_common import MoEWeights, align_rows
 
 KINDS = {"dense": 0, "fp8": 1, "int4": 2}
