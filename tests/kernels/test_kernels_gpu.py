@@ -105,7 +105,7 @@ def test_fp8_gemm_gpu(m, block):
     s = torch.exp2(torch.randint(-14, -9, (-(-n // block[0]), -(-k // block[1])), generator=gen))
     x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
     args = _cuda((x, w, s.float(), block))
-    out = _mod("fp8_gemm").fp8_gemm(*args).float()
+    out = _mod("fp8_gemm_triton").fp8_gemm(*args).float()
     ref = reference.fp8_gemm(*args).float()
     assert ((out - ref).abs().max() / ref.abs().max()).item() < 1e-2
 
@@ -126,6 +126,6 @@ def test_fused_moe_gpu(kind, t):
         if getattr(w, f) is not None:
             setattr(w, f, getattr(w, f).cuda())
     x, tw, ids = x.cuda(), tw.cuda(), ids.cuda()
-    out = _mod("fused_moe").fused_moe(x, tw, ids, w).float()
+    out = _mod("fused_moe_triton").fused_moe(x, tw, ids, w).float()
     ref = reference.fused_moe(x, tw, ids, w).float()
     assert ((out - ref).abs().max() / ref.abs().max()).item() < 2e-2
