@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import AsyncIterator
 
@@ -28,7 +29,10 @@ class EngineServer(EngineReplica):
                 cache_salt=req.cache_salt,
             )
             deltas = host.async_engine.generate(request)
-            async for delta in coalesce(deltas, self.args.stream_interval_s):
-                yield delta
+            # Closed explicitly: when Serve closes or drops this generator (a cancelled
+            # caller), the engine aborts now, not whenever the garbage collector runs.
+            async with contextlib.aclosing(coalesce(deltas, self.args.stream_interval_s)) as s:
+                async for delta in s:
+                    yield delta
         finally:
             host.inflight_tokens -= len(req.prompt_token_ids)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from collections.abc import AsyncIterator
@@ -46,8 +47,10 @@ class DecodeServer(EngineReplica):
             deltas = self._drop_rejected(host.async_engine.generate(request))
             # timed: inter-token latency on this replica (the first token came from prefill)
             timed = host.metrics.timed(deltas, len(prompt), count=False, after_first_token=True)
-            async for delta in coalesce(timed, self.args.stream_interval_s):
-                yield dataclasses.replace(delta, num_prompt_tokens=len(prompt))
+            # Closed explicitly (see EngineServer.generate): a cancel aborts at once.
+            async with contextlib.aclosing(coalesce(timed, self.args.stream_interval_s)) as s:
+                async for delta in s:
+                    yield dataclasses.replace(delta, num_prompt_tokens=len(prompt))
         finally:
             host.inflight_tokens -= len(prompt)
 

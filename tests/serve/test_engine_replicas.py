@@ -1,0 +1,76 @@
+"""Engine replica streams without Ray: closing a replica's generator aborts its engine
+request at once (fake engine and host; the Serve deployment classes' own methods)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from types import SimpleNamespace
+
+from app.engine.request import RequestDelta
+from app.engine.sampling_params import SamplingParams
+from app.serve.colocated import EngineServer
+from app.serve.decode import DecodeServer
+from app.serve.messages import DecodeRequest, GenerateRequest, PrefillResult
+
+
+class EndlessEngine:
+    """AsyncEngine.generate stand-in: a delta per step until closed, which is the abort."""
+
+    def __init__(self):
+        self.aborted: list[str] = []
+
+    async def generate(self, request):
+        try:
+            for i in itertools.count():
+                await asyncio.sleep(0)
+                yield RequestDelta(request.request_id, 0, [i], "x")
+        finally:
+            self.aborted.append(request.request_id)
+
+
+async def _passthrough(deltas, *args, **kw):
+    async for d in deltas:
+        yield d
+
+
+def _server(cls, engine: EndlessEngine):
+    server = object.__new__(cls.func_or_class)  # the deployment's class, not started
+    server.args = SimpleNamespace(stream_interval_s=0.0)
+    server.host = SimpleNamespace(
+        inflight_tokens=0,
+        async_engine=engine,
+        metrics=SimpleNamespace(timed=_passthrough),
+        fetch=lambda chunks, prompt: _fetched(),
+    )
+    return server
+
+
+async def _fetched():
+    return SimpleNamespace(chunks=[])
+
+
+def test_closing_a_replica_stream_aborts_the_engine_request_at_once():
+    """Serve closes (or drops) a replica's generator when its caller cancels. Seen failing
+    without the explicit aclosing in EngineServer/DecodeServer.generate: right after
+    aclose() the engine request was still running (its close waited for the garbage
+    collector's finalizer task), for colocated and decode alike."""
+    gen = GenerateRequest("r-0", [1, 2, 3], SamplingParams(max_tokens=1000))
+    first = RequestDelta("r-0", 0, [7], "y", finished=True)
+    decode = DecodeRequest(gen, PrefillResult("r-0", first, [], "p"))
+    calls = [
+        (EngineServer, lambda s: s.generate(gen)),
+        (DecodeServer, lambda s: s.generate(decode)),
+    ]
+
+    async def main(cls, call) -> None:
+        engine = EndlessEngine()
+        server = _server(cls, engine)
+        stream = call(server)
+        assert (await stream.__anext__()).request_id == "r-0"
+        await stream.aclose()
+        assert engine.aborted == ["r-0"], cls  # no loop turn in between
+        assert server.host.inflight_tokens == 0
+
+    for cls, call in calls:
+        asyncio.run(main(cls, call))
