@@ -7,6 +7,7 @@ share defaults, ranges and error messages; errors become gRPC status codes here.
 from __future__ import annotations
 
 import asyncio
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -153,6 +154,16 @@ def conversation(chat: pb.Chat) -> list[dict[str, Any]]:
     except ValidationError as e:
         raise APIError(400, f"chat.messages: {e.errors()[0]['msg']}") from None
     return [chat_turn(t) for t in turns]
+
+
+def call_timeout_s(req: pb.GenerateRequest, server_timeout_s: float) -> float:
+    """The call's time limit: the client's `timeout_s` (its deadline, which Serve's proxy
+    does not hand over) capped by the server's request_timeout_s."""
+    if not req.HasField("timeout_s") or req.timeout_s == 0:
+        return server_timeout_s
+    if not req.timeout_s > 0 or math.isinf(req.timeout_s):  # NaN fails the first test
+        raise APIError(400, "timeout_s: must be a positive number of seconds", param="timeout_s")
+    return min(req.timeout_s, server_timeout_s)
 
 
 def request_id(req: pb.GenerateRequest, fallback: str) -> str:

@@ -31,6 +31,7 @@ from app.serve.driver import RequestDriver
 from app.serve.grpc_convert import (
     GrpcError,
     UsageCounter,
+    call_timeout_s,
     complete_message,
     conversation,
     grpc_error,
@@ -78,9 +79,9 @@ class GrpcIngress:
     ) -> AsyncIterator[pb.GenerateResponse]:
         stream: ChoiceStream | None = None
         try:
-            rid, stream, counter, tools = await self._grpc_start(request, grpc_context)
+            rid, stream, counter, tools, timeout_s = await self._grpc_start(request, grpc_context)
             calls = StreamToolCalls(tools) if tools is not None and tools.constrained else None
-            end = time.monotonic() + self.args.request_timeout_s
+            end = time.monotonic() + timeout_s
             delta = await _next(stream.first(), end)  # every choice admitted: no 200-then-429
             while delta is not None:
                 message = stream_message(delta, rid, calls)
@@ -100,8 +101,8 @@ class GrpcIngress:
         self, request: pb.GenerateRequest, grpc_context: RayServegRPCContext
     ) -> pb.CompleteResponse:
         try:
-            rid, stream, counter, tools = await self._grpc_start(request, grpc_context)
-            per_choice = await stream.collect(timeout_s=self.args.request_timeout_s)
+            rid, stream, counter, tools, timeout_s = await self._grpc_start(request, grpc_context)
+            per_choice = await stream.collect(timeout_s=timeout_s)
             return complete_message(rid, self.model_name, per_choice, counter, tools)
         except Exception as e:  # noqa: BLE001
             return self._grpc_unary_fail(grpc_context, e, pb.CompleteResponse())
@@ -201,9 +202,11 @@ class GrpcIngress:
     # --- shared -------------------------------------------------------------------------
     async def _grpc_start(
         self, request: pb.GenerateRequest, ctx: RayServegRPCContext
-    ) -> tuple[str, ChoiceStream, UsageCounter, ToolChoice | None]:
-        """Validate and start one request's choices (the shared path of both APIs)."""
+    ) -> tuple[str, ChoiceStream, UsageCounter, ToolChoice | None, float]:
+        """Validate and start one request's choices (the shared path of both APIs); the
+        last item is the call's time limit in seconds."""
         request = parsed(request)
+        timeout_s = call_timeout_s(request, self.args.request_timeout_s)
         metadata = dict(ctx.invocation_metadata())
         require = self.args.grpc_require_api_key
         self.normalizer.tenant_salt(metadata, require_key=require)  # auth before anything
@@ -211,7 +214,8 @@ class GrpcIngress:
         rid = request_id(request, "grpc-" + uuid.uuid4().hex)
         req = await self.normalizer.normalize(body, metadata, request_id=rid, require_key=require)
         stream = await self.driver.start(req)
-        return rid, stream, UsageCounter(len(req.prompt_token_ids), req.params.n), req.tools
+        counter = UsageCounter(len(req.prompt_token_ids), req.params.n)
+        return rid, stream, counter, req.tools, timeout_s
 
     def _grpc_tenant(self, ctx: RayServegRPCContext) -> str | None:
         """The caller's cache salt; UNAUTHENTICATED when a key is required and not known."""
@@ -277,8 +281,10 @@ async def _next(step, end: float):
     remaining = end - time.monotonic()
     if remaining <= 0:
         step.close()
-        raise TimeoutError("the request ran past the server's request_timeout_s")
+        raise TimeoutError("the request ran past its timeout_s (or the server's request_timeout_s)")
     try:
         return await asyncio.wait_for(step, remaining)
     except asyncio.TimeoutError:
-        raise TimeoutError("the request ran past the server's request_timeout_s") from None
+        raise TimeoutError(
+            "the request ran past its timeout_s (or the server's request_timeout_s)"
+        ) from None

@@ -311,6 +311,20 @@ def test_cancel_mid_stream_aborts_and_frees_blocks(served, stub):
     wait_until_idle(served, ABORT_BOUND_S)
 
 
+def test_timeout_s_ends_the_call_and_frees_blocks(served, stub):
+    """Serve's gRPC proxy does not hand the client's deadline over and does not always
+    cancel at it (docs/reliability.md), so the client also sends timeout_s, which the
+    ingress enforces. Seen failing with timeout_s ignored: the call ran on to the client's
+    own 20 s deadline (details without "timeout_s")."""
+    req = pb.GenerateRequest(text=PROMPT, sampling=LONG, timeout_s=1.0)
+    call = stub.Generate(req, metadata=KEY_A, timeout=20)
+    with pytest.raises(grpc.RpcError) as e:
+        for _ in call:
+            pass
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "timeout_s" in e.value.details()
+    wait_until_idle(served, ABORT_BOUND_S)
+
+
 def test_duplicate_request_id_runs_both_calls(served, stub):
     """The proto says request_id need not be unique: two live calls with one id (two
     tenants) both finish. Seen failing when engine ids were f"{request_id}-{choice}": the

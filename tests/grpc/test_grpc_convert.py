@@ -9,6 +9,7 @@ from app.engine.request import OverloadedError, RequestDelta
 from app.serve.grpc_convert import (
     MalformedRequest,
     UsageCounter,
+    call_timeout_s,
     conversation,
     grpc_error,
     http_body,
@@ -86,6 +87,16 @@ def test_tool_turns_reach_the_template_as_over_http():
     assert want[1]["tool_calls"][0]["function"]["name"] == "get_weather"
     assert http_body(pb.GenerateRequest(chat=TOOL_CHAT), "m").conversation() == want
     assert conversation(TOOL_CHAT) == want
+
+
+def test_call_timeout_is_the_clients_capped_by_the_servers():
+    assert call_timeout_s(pb.GenerateRequest(), 300.0) == 300.0
+    assert call_timeout_s(pb.GenerateRequest(timeout_s=0), 300.0) == 300.0
+    assert call_timeout_s(pb.GenerateRequest(timeout_s=2.5), 300.0) == 2.5
+    assert call_timeout_s(pb.GenerateRequest(timeout_s=1e9), 300.0) == 300.0
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(APIError, match="^timeout_s"):
+            call_timeout_s(pb.GenerateRequest(timeout_s=bad), 300.0)
 
 
 @pytest.mark.parametrize(
