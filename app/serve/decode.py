@@ -55,8 +55,9 @@ class DecodeServer(EngineReplica):
             host.inflight_tokens -= len(prompt)
 
     async def _drop_rejected(self, deltas: AsyncIterator[RequestDelta]):
-        async for delta in deltas:
-            if delta.kv_rejected:
-                await self.host.drop_rejected(delta.kv_rejected)
-                delta = dataclasses.replace(delta, kv_rejected=None)
-            yield delta
+        async with contextlib.aclosing(deltas):  # closing us aborts the engine request now
+            async for delta in deltas:
+                if delta.kv_rejected:
+                    await self.host.drop_rejected(delta.kv_rejected)
+                    delta = dataclasses.replace(delta, kv_rejected=None)
+                yield delta

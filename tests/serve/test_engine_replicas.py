@@ -41,7 +41,7 @@ def _server(cls, engine: EndlessEngine):
         inflight_tokens=0,
         async_engine=engine,
         metrics=SimpleNamespace(timed=_passthrough),
-        fetch=lambda chunks, prompt: _fetched(),
+        fetch=lambda chunks, prompt, **kw: _fetched(),
     )
     return server
 
