@@ -277,14 +277,19 @@ async def _result(response) -> Any:
 
 
 async def _next(step, end: float):
-    """`step` (a ChoiceStream read), bounded by the request's deadline."""
+    """`step` (a ChoiceStream read), bounded by the request's deadline.
+
+    `asyncio.timeout`, not `wait_for`: on Python 3.11 `wait_for` swallows a cancel that lands
+    as the read completes, and the stream then ran on to its end with nobody listening
+    (a client's deadline did not abort; docs/reliability.md)."""
     remaining = end - time.monotonic()
     if remaining <= 0:
         step.close()
         raise TimeoutError("the request ran past its timeout_s (or the server's request_timeout_s)")
     try:
-        return await asyncio.wait_for(step, remaining)
-    except asyncio.TimeoutError:
+        async with asyncio.timeout(remaining):
+            return await step
+    except TimeoutError:
         raise TimeoutError(
             "the request ran past its timeout_s (or the server's request_timeout_s)"
         ) from None

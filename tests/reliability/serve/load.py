@@ -68,9 +68,12 @@ def overload(app, batch, wants, tokens: int, clients: int, seconds: float) -> di
     return {"tally": dict(tally), "reject_p50_s": pct(0.5), "reject_p99_s": pct(0.99)}
 
 
-def soak_one(app, rng: random.Random, batch, wants, long_prompt, tokens: int) -> str:
+KINDS = ("http", "grpc", "cancel", "deadline", "n2", "long")
+
+
+def soak_one(app, rng: random.Random, batch, wants, long_prompt, tokens: int, kinds=KINDS) -> str:
     """One mixed request -> its outcome label."""
-    kind = rng.choice(["http", "grpc", "cancel", "deadline", "n2", "long"])
+    kind = rng.choice(kinds)
     j = rng.randrange(len(batch))
     if kind in ("http", "grpc"):
         if kind == "http":
@@ -124,7 +127,9 @@ def grpc_deadline(app, prompt, timeout: float) -> str:
     return "wrong"
 
 
-def soak(app, batch, wants, long_prompt, tokens: int, total: int, workers: int = 12) -> Counter:
+def soak(
+    app, batch, wants, long_prompt, tokens: int, total: int, workers: int = 12, kinds=KINDS
+) -> Counter:
     tally: Counter = Counter()
     lock = threading.Lock()
     todo = iter(range(total))
@@ -135,7 +140,7 @@ def soak(app, batch, wants, long_prompt, tokens: int, total: int, workers: int =
             with lock:
                 if next(todo, None) is None:
                     return
-            kind = soak_one(app, rng, batch, wants, long_prompt, tokens)
+            kind = soak_one(app, rng, batch, wants, long_prompt, tokens, kinds)
             with lock:
                 if kind.startswith("wrong "):
                     tally[f"detail: {kind[6:]}"] += 1
