@@ -114,9 +114,12 @@ def _http_cancel(app, prompt, after: int) -> str:
     return "wrong"
 
 
-def grpc_deadline(app, prompt, timeout: float) -> str:
+def grpc_deadline(app, prompt, timeout: float, in_request: bool = False) -> str:
+    """A 2,000-token call with a gRPC deadline (and, `in_request`, the same as timeout_s)."""
     sampling = pb.SamplingParams(max_tokens=2000, temperature=0, ignore_eos=True)
     req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=sampling)
+    if in_request:
+        req.timeout_s = timeout
     try:
         for _ in app["stub"].Generate(req, metadata=app["md"], timeout=timeout):
             pass
