@@ -53,3 +53,15 @@ def test_draft_with_another_vocabulary_is_refused(llama_path, checkpoint_factory
     other = checkpoint_factory("llama", vocab_size=400)
     with pytest.raises(ValueError, match="vocab_size"):
         LLM(llama_path, **draft(other))
+
+
+def test_mla_draft_gets_its_own_cache_shape(tmp_path):
+    """A DeepSeek-V3 (MLA) draft's cache comes from its family's kv_cache_spec hook (one
+    latent plane), not the standard K/V planes; drafting for itself it is accepted. Seen
+    failing with the hook ignored (standard planes: use_mla False)."""
+    path = make_moe_checkpoint("deepseek_v3", str(tmp_path / "ds"))
+    want = LLM(path, dtype="float32", device="cpu").generate(PROMPTS, GREEDY)
+    llm = LLM(path, **draft(path))
+    assert llm.engine.speculator.drafter.runner.cache.spec.use_mla
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == [o.token_ids for o in want]
+    assert llm.stats()["spec_acceptance_rate"] > 0.9

@@ -10,6 +10,7 @@ from app.config import ModelConfig, SpeculativeConfig
 from app.engine.kv_cache import KVCache
 from app.engine.spec.speculator import Speculator
 from app.kv.layout import KVCacheSpec
+from app.models.loader import build_model
 
 
 def uses_mtp(config: SpeculativeConfig | None) -> bool:
@@ -30,9 +31,10 @@ def _proposer_kv_spec(engine) -> KVCacheSpec:
         return replace(engine.kv_spec, num_layers=1)
     cfg = ModelConfig.from_path(config.model)  # draft model, unsharded
     bs, dtype = engine.kv_spec.block_size, engine.kv_spec.dtype
-    if cfg.architecture == "DeepseekV3ForCausalLM":  # MLA: one plane of latent + rope key
-        width = cfg.raw["kv_lora_rank"] + cfg.raw["qk_rope_head_dim"]
-        return KVCacheSpec(cfg.num_hidden_layers, 1, width, bs, dtype, use_mla=True)
+    # The family's own cache shape (MLA) from its hook, on a weightless (meta) build.
+    own = build_model(cfg, engine.dtype, "meta").kv_cache_spec(bs, dtype)
+    if own is not None:
+        return own
     return KVCacheSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, bs, dtype)
 
 
