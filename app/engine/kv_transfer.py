@@ -89,14 +89,15 @@ def write_import(
     for chunk in chunks:
         mine = range(first, min(first + chunk.meta.num_tokens // bs, hold.num_blocks))
         todo = [i - first for i in mine if i in fresh]  # block offsets inside the chunk
-        if todo:
-            ids = [hold.block_ids[first + j] for j in todo]
-            try:
-                _write_chunk(cache, chunk, todo, ids, bs)
-            except ChunkIntegrityError as e:
-                log.warning("kv_import stopped at token %d: %s", first * bs, e)
-                return first, [(chunk.key or b"", str(e))]
-        first = mine.stop
+        try:
+            if todo:
+                _write_chunk(cache, chunk, todo, [hold.block_ids[first + j] for j in todo], bs)
+            elif not chunk.verified:  # not needed here, but a damaged chunk must be reported
+                chunk.verify_tag()  # (and dropped from the store) by whoever fetched it
+        except ChunkIntegrityError as e:
+            log.warning("kv_import stopped at token %d: %s", first * bs, e)
+            return min(first, hold.num_blocks), [(chunk.key or b"", str(e))]
+        first += chunk.meta.num_tokens // bs
     return hold.num_blocks, []
 
 

@@ -100,7 +100,7 @@ class Transfers:
         hold = self.blocks.hold_for_import(hashes, self.max_held)
         if not hold.block_ids:
             return None
-        if not hold.fresh:  # all cached here already: only the pin was needed
+        if not hold.fresh and all(c.verified for c in run):  # cached here: only the pin
             self.blocks.commit_import(hold, hold.num_blocks)
             return hold
         self._submit(ImportJob(request_id, run, hold, self._event()))

@@ -243,3 +243,23 @@ def test_request_ended_before_admission_gives_its_hold_back(llama_path, exported
     engine._end(engine.seqs["a"][0], "abort")
     drain(engine)
     assert engine.blocks.num_free == engine.blocks.num_blocks and engine.blocks.num_held == 0
+
+
+def test_damaged_chunk_is_reported_even_when_its_blocks_are_cached(llama_path, exported):
+    """The decode replica already has the prompt's blocks, so no byte of the offered chunks
+    is written; a damaged one is still checked and reported, for the store to drop it.
+
+    Seen failing: with the import committing at once when no block needs writing, nothing
+    was reported (tests/reliability/serve: integrity_failures not counted for flip/swap)."""
+    first, chunks = exported
+    engine = make_engine(llama_path)
+    engine.add_request(Request("warm", PROMPT + first, GREEDY))
+    drain(engine)  # the prompt's blocks are now in the prefix cache
+    damaged = bytearray(chunks[1].encode())
+    damaged[len(damaged) - chunks[1].nbytes + 5] ^= 0x40
+    offered = [KVChunk.decode(bytes(c), verify_tag=False) for c in (chunks[0].encode(), damaged)]
+    engine.add_request(Request("d", PROMPT + first, GREEDY, kv_import=offered))
+    done = drain(engine)["d"]
+    ((key, why),) = done[0].kv_rejected
+    assert key == chunks[1].key and "tag mismatch" in why
+    assert engine.blocks.num_free == engine.blocks.num_blocks and engine.blocks.num_held == 0
