@@ -70,9 +70,9 @@ def ray_session():
             raise
     yield ray
     try:
-        from ray import serve
+        from serve_stop import stop_serve
 
-        serve.shutdown()
+        stop_serve()
     finally:
         if started:
             ray.shutdown()

@@ -11,6 +11,7 @@ import socket
 import time
 
 import grpc
+from serve_stop import stop_serve
 
 from app.serve.grpc_gen.slimserve.v1 import generation_pb2 as pb
 from app.serve.grpc_gen.slimserve.v1 import generation_pb2_grpc
@@ -39,7 +40,7 @@ def grpc_app(ray_session, args: dict, name: str, metadata):
     from app.serve.config import ServeArgs
 
     http_port, grpc_port = free_port(), free_port()
-    serve.shutdown()
+    stop_serve()
     serve.start(
         http_options={"host": "127.0.0.1", "port": http_port},
         grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=[SERVICER]),
@@ -51,7 +52,7 @@ def grpc_app(ray_session, args: dict, name: str, metadata):
         yield channel, f"http://127.0.0.1:{http_port}"
     finally:
         channel.close()
-        serve.shutdown()  # deletes the app too, without waiting on a replica still starting
+        stop_serve()  # deletes the app too, without waiting on a replica still starting
         cfg = ServeArgs(**args)
         if cfg.mode == "disaggregated":
             with contextlib.suppress(Exception):
