@@ -49,15 +49,21 @@ class MoEWeights:
         return self.w13.shape[1] // 2
 
     def expert(self, e: int, which: str, dtype: torch.dtype) -> torch.Tensor:
-        """Expert e of w13 or w2 -> [N, K] dtype: a view of the stack for dense weights in
-        `dtype` (no copy per forward), else that one expert dequantized."""
-        w = self.w13 if which == "13" else self.w2
-        if self.kind == "dense" and w.dtype == dtype:
-            return w[e]
-        return self.dense(torch.tensor([e], device=w.device), which, dtype)[0]
+        """Expert e of w13 or w2 -> [N, K] dtype, read in place (no gather): dense in `dtype`
+        is a view of the stack; FP8 / INT4 are dequantized from that expert's slices."""
+        w, s, z = (self.w13, self.s13, self.z13) if which == "13" else (self.w2, self.s2, self.z2)
+        if self.kind == "dense":
+            return w[e].to(dtype)  # a view when the dtype matches
+        if self.kind == "fp8":
+            return dequantize_fp8_blocks(w[e], s[e], self.block_of(which), dtype)
+        q = unpack_int4(w[e]).float()  # [N, K]
+        scale = s[e].float().repeat_interleave(self.group, -1)
+        zero = 8.0 if z is None else z[e].float().repeat_interleave(self.group, -1)
+        return ((q - zero) * scale).to(dtype)
 
     def dense(self, e: torch.Tensor, which: str, dtype: torch.dtype) -> torch.Tensor:
-        """Experts e [A] of w13 or w2 dequantized -> [A, N, K] dtype."""
+        """Experts e [A] of w13 or w2 dequantized -> [A, N, K] dtype (gathered: what the
+        reference loop uses, written apart from `expert` on purpose)."""
         w, s, z = (self.w13, self.s13, self.z13) if which == "13" else (self.w2, self.s2, self.z2)
         w = w.index_select(0, e)
         if self.kind == "dense":
