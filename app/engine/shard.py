@@ -8,6 +8,8 @@ then `min_over_ranks` for the block count.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -15,6 +17,7 @@ from app.config import CacheConfig, EngineConfig, ModelConfig
 from app.engine.attention import backend_ops
 from app.engine.kv_cache import KVCache
 from app.engine.model_runner import ModelRunner
+from app.engine.spec.factory import mtp_runner, uses_mtp
 from app.engine.tp_driver import min_over_ranks
 from app.kv.dtypes import resolve as resolve_kv_dtype
 from app.kv.layout import KVCacheSpec
@@ -65,10 +68,19 @@ class RankWorker:
     def __init__(self, config: EngineConfig, ctx: TPContext, device: torch.device):
         self.ctx, self.device = ctx, device
         dtype = config.resolved_dtype()
-        model, cfg = load_rank_model(config, ctx, device, dtype)
+        mtp = uses_mtp(config.speculative_config)
+        model, cfg = load_rank_model(config, ctx, device, dtype, mtp=mtp)
         spec = kv_cache_spec(model, cfg, config.cache, ctx, dtype)
-        # Rank 0 may count fewer blocks (a proposer's KV): the minimum wins on every rank.
-        num_blocks = min_over_ranks(budget_blocks(config.cache, spec, device), ctx, device)
+        mtp_spec = dataclasses.replace(spec, num_layers=1)  # the MTP layer's cache shard
+        extra = mtp_spec.bytes_per_block() if mtp else 0
+        # Rank 0 may count fewer blocks (a draft model's KV): the minimum wins on every rank.
+        blocks = budget_blocks(config.cache, spec, device, extra)
+        num_blocks = min_over_ranks(blocks, ctx, device)
         self.cache = KVCache(spec, num_blocks, device)
         ops = backend_ops(config.attention_backend, device)
         self.runner = ModelRunner(model, self.cache, ops, cfg.head_dim, device)
+        self.mtp = None  # MTP speculation: this rank's shard of the MTP layer runs each plan
+        if mtp:
+            self.runner.keep_hidden = True
+            cache = KVCache(mtp_spec, num_blocks, device)
+            self.mtp = mtp_runner(model, cache, ops, self.runner.scale, device)

@@ -70,6 +70,14 @@ class ReadKV:
 
 
 @dataclass(frozen=True, slots=True)
+class MTPDraft:
+    plan: Any  # app.engine.spec.mtp.MTPPlan: plain lists, after the Step it drafts from
+
+    def run(self, worker) -> None:
+        worker.mtp.run(self.plan, worker.runner.last_hidden)
+
+
+@dataclass(frozen=True, slots=True)
 class Stop:
     def run(self, worker) -> None:  # pragma: no cover - handled by serve_rank
         raise AssertionError

@@ -6,7 +6,9 @@ on rank 0 (its own cache, the target's block ids)."""
 import pytest
 
 from app import SamplingParams
+from app.engine.spec.speculator import Speculator
 from tests.parallel.helpers import make_llm
+from tests.spec.mtp_checkpoints import make_mtp_checkpoint
 
 PROMPTS = [[7, 8, 9, 7, 8, 9, 7, 8], list(range(10, 40))]
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -29,3 +31,29 @@ def test_tp2_speculation_equals_tp1_plain_decoding(llama_path, want, method):
         stats = llm.stats()
     assert got == want
     assert 0 < stats["spec_accepted_tokens"] <= stats["spec_proposed_tokens"]
+
+
+def test_tp2_mtp_drafts_like_tp1(tmp_path, monkeypatch):
+    """MTP beside TP: every rank runs rank 0's MTP plan on its shard of the MTP layer (its
+    collectives keep them in step); the TP=2 engine makes TP=1's plain greedy tokens and
+    proposes exactly TP=1's MTP drafts. Seen failing with the worker rank reading its
+    hidden rows shifted by one (tp_driver.MTPDraft): the drafts differed."""
+    path, _ = make_mtp_checkpoint("glm4_moe", str(tmp_path / "glm"))
+    mtp = {"method": "mtp", "num_speculative_tokens": 3, "backoff": False}
+    plain = [o.token_ids for o in make_llm(path).generate(PROMPTS, GREEDY)]
+    runs = []
+    for tp in (1, 2):
+        drafts = []
+        verify = Speculator.verify
+
+        def record(self, logits, seqs, drafts=drafts, verify=verify):
+            drafts.extend(list(s.spec_tokens) for s in seqs if s.spec_tokens)
+            return verify(self, logits, seqs)
+
+        monkeypatch.setattr(Speculator, "verify", record)
+        with make_llm(path, tp, speculative_config=mtp) as llm:
+            runs.append(([o.token_ids for o in llm.generate(PROMPTS, GREEDY)], drafts))
+        monkeypatch.undo()
+    assert runs[0][0] == runs[1][0] == plain
+    assert len(runs[0][1]) >= len(PROMPTS) * 4
+    assert runs[1][1] == runs[0][1]

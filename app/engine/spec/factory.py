@@ -55,17 +55,22 @@ def _proposer_cache(engine) -> KVCache:
 def _mtp_drafter(engine, ops):
     from app.engine.spec.mtp import MTPProposer
 
-    if engine.tp_group is not None:
-        raise ValueError("mtp speculation with tensor_parallel_size > 1 is not supported yet")
     engine.runner.keep_hidden = True
-    return MTPProposer(
-        engine.model,
-        _proposer_cache(engine),
-        ops,
-        engine.runner.scale,
-        engine.blocks,
-        engine.device,
-    )
+    cache = _proposer_cache(engine)
+    runner = mtp_runner(engine.model, cache, ops, engine.runner.scale, engine.device)
+    send = None
+    if engine.tp_group is not None:  # every rank runs the plan on its shard of the layer
+        from app.engine.tp_driver import MTPDraft
+
+        driver = engine.tp_group
+        send = lambda plan: driver.send(MTPDraft(plan))  # noqa: E731
+    return MTPProposer(runner, engine.blocks, send)
+
+
+def mtp_runner(model, cache: KVCache, ops, scale: float, device):
+    from app.engine.spec.mtp import MTPRunner
+
+    return MTPRunner(model, cache, ops, scale, device)
 
 
 def _draft_model(engine, ops):
