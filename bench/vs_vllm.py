@@ -199,8 +199,8 @@ def markdown(result: dict) -> str:
     """The docs/performance.md table of a result (also: python -c on a saved JSON)."""
     lines = [
         "| prompts | sampling | slimserve tok/s | vLLM tok/s | slimserve / vLLM "
-        "| cores used (slimserve / vLLM) |",
-        "|---:|---|---:|---:|---:|---:|",
+        "| cores used (slimserve / vLLM) | per CPU-second: slimserve / vLLM |",
+        "|---:|---|---:|---:|---:|---:|---:|",
     ]
     for key, row in result["results"].items():
         batch, sampling = key.split(" ", 1)
@@ -209,9 +209,19 @@ def markdown(result: dict) -> str:
         cores = [median([r["cores"][n] for r in row["runs"][n]]) for n in ("slimserve", "vllm")]
         lines.append(
             f"| {batch} | {sampling} | {row['slimserve_tok_s']:,.0f} | {row['vllm_tok_s']:,.0f} "
-            f"| {row['ratio']:.2f}x | {cores[0]:.2f} / {cores[1]:.2f} |"
+            f"| {row['ratio']:.2f}x | {cores[0]:.2f} / {cores[1]:.2f} "
+            f"| {per_cpu_ratio(row):.2f}x |"
         )
     return "\n".join(lines)
+
+
+def per_cpu_ratio(row: dict) -> float:
+    """slimserve's tokens per CPU-second of its own processes over vLLM's (median runs): what
+    each side gets out of the cores it used, less sensitive to other load than tok/s."""
+    eff = {}
+    for name, runs in row["runs"].items():
+        eff[name] = median([r["tok_s"] / max(r["cores"][name], 1e-9) for r in runs])
+    return eff["slimserve"] / eff["vllm"]
 
 
 if __name__ == "__main__":
