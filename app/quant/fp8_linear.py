@@ -26,21 +26,10 @@ from torch import nn
 
 import kernels
 from app.models.parallel import SINGLE, TPContext
+from app.quant.params import copy_loader, loaded_param
 from kernels.reference import dequantize_fp8_blocks
 
 FP8_DTYPE = torch.float8_e4m3fn
-
-
-def _param(t: torch.Tensor, loader) -> nn.Parameter:
-    p = nn.Parameter(t, requires_grad=False)
-    p.weight_loader = loader
-    return p
-
-
-def _copy_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-    if param.shape != loaded.shape:
-        raise ValueError(f"checkpoint tensor shape {tuple(loaded.shape)} != {tuple(param.shape)}")
-    param.data.copy_(loaded)
 
 
 class Fp8Linear(nn.Module):
@@ -66,12 +55,14 @@ class Fp8Linear(nn.Module):
         self.params_dtype = params_dtype or torch.get_default_dtype()
         self.tp, self.row_parallel = tp, row_parallel
         self.reduce_output, self.gather_output = reduce_output, gather_output
-        self._loader = weight_loader or _copy_loader
+        self._loader = weight_loader or copy_loader
         self.weight_loader = self._loader  # what a later module replacement (INT4) inherits
         scale_shape = (math.ceil(n / self.block[0]), math.ceil(k / self.block[1]))
-        self.weight = _param(torch.zeros(n, k, dtype=FP8_DTYPE), self._loader)
-        self.weight_scale_inv = _param(torch.ones(scale_shape), self._load_scale_rows)
-        self.bias = _param(torch.zeros(n, dtype=self.params_dtype), self._loader) if bias else None
+        self.weight = loaded_param(torch.zeros(n, k, dtype=FP8_DTYPE), self._loader)
+        self.weight_scale_inv = loaded_param(torch.ones(scale_shape), self._load_scale_rows)
+        self.bias = (
+            loaded_param(torch.zeros(n, dtype=self.params_dtype), self._loader) if bias else None
+        )
         self.shards: dict = {}  # the replaced layer's `output_shards` (merged projections)
 
     @classmethod

@@ -30,23 +30,12 @@ from torch import nn
 import kernels
 from app.models.parallel import SINGLE, TPContext
 from app.quant.int4 import SYM_ZERO, Int4Weight
+from app.quant.params import copy_loader, loaded_param
 
 log = logging.getLogger(__name__)
 CPU_GROUPS = (256, 128, 64, 32)
 GPU_GROUPS = (128, 64, 32)  # what kernels.int4_gemm (Triton) accepts
 CPU_ROW_MULTIPLE = 16
-
-
-def _param(t: torch.Tensor, loader) -> nn.Parameter:
-    p = nn.Parameter(t, requires_grad=False)
-    p.weight_loader = loader
-    return p
-
-
-def _copy_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-    if param.shape != loaded.shape:
-        raise ValueError(f"checkpoint tensor shape {tuple(loaded.shape)} != {tuple(param.shape)}")
-    param.data.copy_(loaded)
 
 
 def regroup(qw: Int4Weight, supported: tuple[int, ...]) -> Int4Weight:
@@ -127,17 +116,17 @@ class Int4Linear(nn.Module):
         if act_order and reduce_output and tp.size > 1:
             raise NotImplementedError("act-order INT4 with row-parallel tensor parallelism")
         dtype = params_dtype or torch.get_default_dtype()
-        loader = self._invalidating(weight_loader or _copy_loader)
+        loader = self._invalidating(weight_loader or copy_loader)
         n, k, g = out_features, in_features, group_size
         self.in_features, self.out_features, self.group_size = k, n, g
         self.tp, self.reduce_output, self.gather_output = tp, reduce_output, gather_output
-        self.qweight = _param(torch.zeros(n, k // 8, dtype=torch.int32), loader)
-        self.scales = _param(torch.ones(n, k // g, dtype=dtype), loader)
+        self.qweight = loaded_param(torch.zeros(n, k // 8, dtype=torch.int32), loader)
+        self.scales = loaded_param(torch.ones(n, k // g, dtype=dtype), loader)
         zeros = None if symmetric else torch.full((n, k // g), SYM_ZERO, dtype=torch.uint8)
-        self.zeros = None if zeros is None else _param(zeros, loader)
-        self.bias = _param(torch.zeros(n, dtype=dtype), loader) if bias else None
+        self.zeros = None if zeros is None else loaded_param(zeros, loader)
+        self.bias = loaded_param(torch.zeros(n, dtype=dtype), loader) if bias else None
         perm_loader = self._invalidating(self._load_perm)
-        self.perm = _param(torch.arange(k), perm_loader) if act_order else None
+        self.perm = loaded_param(torch.arange(k), perm_loader) if act_order else None
         self._perm_loaded = False
         self._cpu: dict[torch.dtype, CpuInt4Pack] = {}
         self._gpu: dict[str, Int4Weight] = {}
@@ -153,7 +142,7 @@ class Int4Linear(nn.Module):
         # Shards of a merged layer (q/k/v, gate/up) read one input, so one permutation.
         if self._perm_loaded and not torch.equal(param.data, loaded.to(param.device)):
             raise ValueError("shards of a merged INT4 layer have different act-order g_idx")
-        _copy_loader(param, loaded)
+        copy_loader(param, loaded)
         self._perm_loaded = True
 
     @classmethod
