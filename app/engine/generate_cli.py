@@ -7,10 +7,10 @@ import sys
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from app.cli import default_model
+    from app.assets import default_model_path
     from app.options import OPTIONS, add_engine_arguments
 
-    p.add_argument("--model", default=default_model(), help="HF checkpoint folder")
+    p.add_argument("--model", default=default_model_path(), help="HF checkpoint folder")
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user chat turn")
     p.add_argument("--max-tokens", type=int, default=64)
