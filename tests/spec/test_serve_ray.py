@@ -18,6 +18,8 @@ CASES = [  # (request fields, SamplingParams fields beyond the request's)
     {"temperature": 0, "max_tokens": 24, "logprobs": 1},
     {"temperature": 0.8, "top_p": 0.9, "seed": 1234, "max_tokens": 16},
 ]
+# Its own app name: the metrics test (tests/ops) reads the series of the app "slimserve".
+APP = "slimserve-spec"
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
 
 
@@ -53,7 +55,7 @@ def _same(got: list[dict], want: list[dict]) -> None:
 
 
 def _stats(deployment: str) -> dict:
-    return serve.get_deployment_handle(deployment, "slimserve").stats.remote().result()
+    return serve.get_deployment_handle(deployment, APP).stats.remote().result()
 
 
 def test_decode_replica_speculates_and_output_equals_plain_decoding(ray_session, llama_path):
@@ -62,13 +64,13 @@ def test_decode_replica_speculates_and_output_equals_plain_decoding(ray_session,
     texts still matched."""
     want = _offline(llama_path)
     engine = {"dtype": "float32", "speculative_config": NGRAM}
-    with running_app(ray_session, tiny_serve_args(llama_path, engine=engine)) as url:
+    with running_app(ray_session, tiny_serve_args(llama_path, engine=engine), APP) as url:
         _same(_served(url), want)
         decode, prefill = _stats("DecodeServer"), _stats("PrefillServer")
     assert 0 < decode["spec_accepted_tokens"] < decode["spec_proposed_tokens"]
     assert prefill["spec_proposed_tokens"] == 0  # prefill-only requests never speculate
     args = tiny_serve_args(llama_path, mode="colocated", engine=engine)
-    with running_app(ray_session, args) as url:
+    with running_app(ray_session, args, APP) as url:
         _same(_served(url), want)
         colocated = _stats("EngineServer")
     assert 0 < colocated["spec_accepted_tokens"] < colocated["spec_proposed_tokens"]
