@@ -72,12 +72,20 @@ class GrpcIngress:
     tokenizer: Any
     normalizer: RequestNormalizer
     driver: RequestDriver
+    _grpc_streams = 0  # Generate calls running on this replica
+
+    def grpc_streams_open(self) -> int:
+        """Generate calls still streaming here. A client's cancel that Serve's gRPC proxy
+        did not pass on leaves its call streaming (open defect, docs/reliability.md); one
+        that reached this replica ends the call: tests tell the two apart with this."""
+        return self._grpc_streams
 
     # --- slimserve.v1.Generation ------------------------------------------------------
     async def Generate(
         self, request: pb.GenerateRequest, grpc_context: RayServegRPCContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         stream: ChoiceStream | None = None
+        self._grpc_streams += 1
         try:
             rid, stream, counter, tools, timeout_s = await self._grpc_start(request, grpc_context)
             calls = StreamToolCalls(tools) if tools is not None and tools.constrained else None
@@ -94,6 +102,7 @@ class GrpcIngress:
             # (only code and details do), so the retry delay is in the details too.
             raise self._grpc_fail(grpc_context, self._grpc_status(e)) from e
         finally:
+            self._grpc_streams -= 1
             if stream is not None:
                 stream.close()  # cancelled or failed: the engines abort, blocks are freed
 

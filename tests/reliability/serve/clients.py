@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import grpc
 import httpx
+import pytest
 
 from app.serve.grpc_gen.slimserve.v1 import generation_pb2 as pb
 
@@ -100,3 +101,28 @@ def wait_idle(handle, timeout_s: float = 30) -> dict:
             return s
         assert time.monotonic() < end, f"blocks still held {timeout_s} s later: {s}"
         time.sleep(0.1)
+
+
+def idle_after_grpc_cancel(app_name: str, engines: list, timeout_s: float) -> None:
+    """Every engine replica idle within `timeout_s` of a gRPC cancel or deadline.
+
+    Serve's gRPC proxy sometimes does not pass a client's cancel on to the ingress (open
+    defect, docs/reliability.md; `-m long -k crowd` reproduces it): the ingress's Generate
+    then still streams when the bound passes, and this xfails naming that. A cancel that
+    reached the ingress (its Generate ended) and still left blocks held fails, as does one
+    that the ingress lost below its own Generate. Either way it first waits for what still
+    runs to end, so that the next tests start clean."""
+    from ray import serve
+
+    try:
+        for handle in engines:
+            wait_idle(handle, timeout_s)
+        return
+    except AssertionError:
+        ingress = serve.get_deployment_handle("Ingress", app_name)
+        streaming = ingress.grpc_streams_open.remote().result(timeout_s=30)
+        for handle in engines:
+            wait_idle(handle, 180)
+        if streaming:
+            pytest.xfail("Serve's gRPC proxy did not cancel the ingress's call (upstream)")
+        raise

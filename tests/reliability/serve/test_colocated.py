@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from app.serve.grpc_gen.slimserve.v1 import generation_pb2 as pb
 from reliability.conftest import LONG_TOKENS
 from reliability.serve.apps import offline_texts, prompts, served_app
-from reliability.serve.clients import run_all, wait_idle
+from reliability.serve.clients import idle_after_grpc_cancel, run_all, wait_idle
 from reliability.serve.fuzz import RAW_BODIES, chat_body, completion_body, grpc_request
 from reliability.serve.fuzzing import fuzz, grpc_check, grpc_raw_check, http_check
 from reliability.serve.load import KINDS, cluster_rss, grpc_deadline, overload, soak
@@ -219,10 +219,11 @@ def test_grpc_deadlines_in_a_crowd_free_blocks(app, deadline_s, in_request):
 def test_grpc_cancel_frees_blocks(app):
     """Last in the module: a cancel that does not abort leaves a request running for long.
     Seen failing before serve's gRPC cancel fix (cd335e4: the colocated request kept its
-    blocks 10 s after the cancel) and with AsyncEngine's abort command made a no-op."""
+    blocks 10 s after the cancel) and with AsyncEngine's abort command made a no-op. Where
+    Serve's gRPC proxy dropped the cancel (upstream, intermittent) it xfails saying so."""
     call = long_call(app)
     for _ in range(3):
         next(call)
     call.cancel()
     assert call.code() == grpc.StatusCode.CANCELLED
-    idle(app)
+    idle_after_grpc_cancel(APP, [app["EngineServer"]], ABORT_BOUND_S)

@@ -21,7 +21,14 @@ from app.serve.grpc_gen.slimserve.v1 import generation_pb2 as pb
 from app.serve.replica import prompt_chunk_keys
 from reliability.conftest import LONG_TOKENS
 from reliability.serve.apps import kill_replica, offline_texts, prompts, served_app, wait_until
-from reliability.serve.clients import grpc_stream, http_stream, run_all, tally, wait_idle
+from reliability.serve.clients import (
+    grpc_stream,
+    http_stream,
+    idle_after_grpc_cancel,
+    run_all,
+    tally,
+    wait_idle,
+)
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -217,10 +224,11 @@ def test_store_shard_killed_mid_stream_is_recreated(app, fault_load):
 
 def test_grpc_cancel_frees_blocks(app):
     """Last in the module: a cancel that does not abort leaves a request running for long.
-    Seen failing with the engine abort removed (the request ran on, blocks held)."""
+    Seen failing with the engine abort removed (the request ran on, blocks held). Where
+    Serve's gRPC proxy dropped the cancel (upstream, intermittent) it xfails saying so."""
     call = long_grpc_call(app)
     for _ in range(3):
         next(call)
     call.cancel()
     assert call.code() == grpc.StatusCode.CANCELLED
-    all_idle(app)
+    idle_after_grpc_cancel(APP, [app[name] for name in PHASES], ABORT_BOUND_S)
