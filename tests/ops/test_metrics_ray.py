@@ -135,12 +135,25 @@ def wait_for_all(port: int, usage: dict, baseline: list, timeout_s: float = 120)
         names = {n for n, _, _ in samples}
         want = {prometheus_name(n) + ("_count" if s.kind == "histogram" else "")
                 for n, s in SPECS.items()}  # fmt: skip
-        done = total(samples, "ray_slimserve_prompt_tokens_total") >= usage["prompt_tokens"]
+        done = caught_up(samples, usage)
         if (want <= names and done) or time.monotonic() > deadline:
             missing = sorted(want - names)
             assert not missing, f"not exported after {timeout_s}s: {missing}"
             return samples
         time.sleep(2)
+
+
+def caught_up(samples, usage: dict) -> bool:
+    """Every role's series reached the requests made (each replica exports on its own
+    schedule: the prefill's prompt tokens alone once ended the wait before the ingress's
+    histograms were out)."""
+    n, ingress = usage["choices"], {"role": "ingress"}
+    return (
+        total(samples, "ray_slimserve_prompt_tokens_total", **ingress) >= usage["prompt_tokens"]
+        and total(samples, "ray_slimserve_time_to_first_token_seconds_count", **ingress) >= n
+        and total(samples, "ray_slimserve_e2e_request_latency_seconds_count", **ingress) >= n
+        and total(samples, "ray_slimserve_time_to_first_token_seconds_count", role="prefill") >= n
+    )
 
 
 def check(samples, usage) -> None:
