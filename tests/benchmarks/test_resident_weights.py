@@ -6,29 +6,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from bench.resident_weights import measure_one, resident_bytes, write_checkpoint
+from bench.resident_weights import GLM45, measure_one, resident_bytes, write_checkpoint
 
 # A GLM-4.5-shaped MoE layer, 8x smaller (H 640, I 256, 8 experts, top-8).
-SMALL_GLM = dict(
-    architectures=["Glm4MoeForCausalLM"],
-    model_type="glm4_moe",
+SMALL_GLM = GLM45 | dict(
     hidden_size=640,
     intermediate_size=1536,
     moe_intermediate_size=256,
     num_attention_heads=12,
     num_key_value_heads=1,
-    head_dim=128,
-    partial_rotary_factor=0.5,
-    attention_bias=True,
-    use_qk_norm=True,
     n_routed_experts=8,
-    n_shared_experts=1,
-    num_experts_per_tok=8,
-    n_group=1,
-    topk_group=1,
-    norm_topk_prob=True,
-    routed_scaling_factor=2.5,
-    first_k_dense_replace=0,
 )
 
 

@@ -8,7 +8,7 @@ pass vacuously).
 import pytest
 
 from app import LLM, SamplingParams
-from app.engine.request import Request
+from tests.spec.abort import abort_one_of_two
 
 PROMPTS = [[5, 17, 42, 99, 3, 250, 7], [7, 8, 9, 7, 8, 9, 7, 8], list(range(10, 40))]
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
@@ -132,14 +132,4 @@ def test_preemption_and_abort_leave_the_pool_whole(llama_path, base):
     got = spec.generate(prompts, p)
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
     assert spec.stats()["preemptions"] > 0
-    engine = spec.engine
-    engine.add_request(Request("a", PROMPTS[1], p))
-    engine.add_request(Request("b", PROMPTS[2], p))
-    for _ in range(4):
-        engine.step()
-    engine.abort("a")
-    deltas = []
-    while engine.has_unfinished():
-        deltas += engine.step()
-    assert any(d.request_id == "a" and d.finish_reason == "abort" for d in deltas)
-    assert engine.stats()["kv_blocks_free"] == engine.stats()["kv_blocks_total"]
+    abort_one_of_two(spec.engine, [PROMPTS[1], PROMPTS[2]], p, steps=4)

@@ -7,9 +7,9 @@ n-gram has the same checks in test_engine_ngram.py."""
 import pytest
 
 from app import LLM, SamplingParams
-from app.engine.request import Request
 from app.engine.spec.factory import extra_block_bytes
 from app.engine.spec.speculator import Speculator
+from tests.spec.abort import abort_one_of_two
 from tests.spec.mtp_checkpoints import make_mtp_checkpoint
 
 PROMPTS = [list(range(3 + i, 40 + i)) for i in range(4)]  # 3 blocks each, 5 at the end
@@ -83,16 +83,6 @@ def test_preemption_abort_and_stops_as_without_speculation(glm, llama_path, whic
     for p in params:
         w, g = base.generate(PROMPTS[1:2], p)[0], llm.generate(PROMPTS[1:2], p)[0]
         assert (g.token_ids, g.finish_reason) == (w.token_ids, w.finish_reason)
-    engine = llm.engine
-    engine.add_request(Request("a", PROMPTS[0], GREEDY))
-    engine.add_request(Request("b", PROMPTS[2], GREEDY))
-    for _ in range(5):
-        engine.step()
-    engine.abort("a")
-    deltas = []
-    while engine.has_unfinished():
-        deltas += engine.step()
-    assert any(d.request_id == "a" and d.finish_reason == "abort" for d in deltas)
+    deltas = abort_one_of_two(llm.engine, [PROMPTS[0], PROMPTS[2]], GREEDY, steps=5)
     b = [t for d in deltas if d.request_id == "b" for t in d.new_token_ids]
     assert b == want[2].token_ids[-len(b) :]
-    assert engine.stats()["kv_blocks_free"] == engine.stats()["kv_blocks_total"]
