@@ -23,7 +23,9 @@ from pathlib import Path
 
 import torch  # does not import triton; TRITON_INTERPRET can still be set in main()
 
-# Run as a script, bench/ is sys.path[0] and `import kernels` would find this very file.
+# Run as a script, bench/ is sys.path[0]: the repo root goes first so `import app` and
+# `import slimserve_kernels` resolve to the checkout; bench/ is dropped from the path, where
+# this file would shadow the `kernels` package that transformers imports.
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
@@ -113,8 +115,8 @@ def gemm_inputs(m, k, n, group, device, dtype, gen):
 
 def bench_gemm_point(m, k, n, group, device, dtype, gen) -> list[dict]:
     """One (M, K, N): bf16 matmul, INT4 default path, and the other INT4 paths for M >= 256."""
-    from kernels import reference
-    from kernels.int4_gemm_triton import choose_config, int4_gemm
+    from slimserve_kernels import reference
+    from slimserve_kernels.int4_gemm_triton import choose_config, int4_gemm
 
     x, qweight, scales = gemm_inputs(m, k, n, group, device, dtype, gen)
     q = reference.unpack_int4(qweight).to(dtype)  # [N, K], the dense baseline's weight
@@ -189,8 +191,8 @@ def paged_cache(batch, ctx, heads, block_size, fp8: bool, device, gen):
 
 
 def bench_attention_point(batch, ctx, heads, block_size, device, gen) -> list[dict]:
-    from kernels import reference
-    from kernels.paged_decode import choose_num_splits, paged_decode_attention
+    from slimserve_kernels import reference
+    from slimserve_kernels.paged_decode import choose_num_splits, paged_decode_attention
 
     hq, hkv, d = heads
     qdtype = torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -1,6 +1,6 @@
 """bench/kernels.py sections at the seed's model shapes (issue 16):
 
-- `moe`: fused MoE (`kernels.fused_moe`, two grouped GEMMs) vs the per-expert loop (one
+- `moe`: fused MoE (`slimserve_kernels.fused_moe`, two grouped GEMMs) vs the per-expert loop (one
   GEMM pair per active expert through the same per-kind kernels: cuBLAS for BF16, the FP8 and
   INT4 Triton GEMMs) at the expert shapes of GLM-4.5 (H 5120, I 1536, 160 experts) and
   Kimi K2 (H 7168, I 2048, 384 experts), top-8, for 1-256 tokens; BF16 / FP8-block (128 x 128)
@@ -73,7 +73,7 @@ def _dense(shape: tuple, dtype, gen) -> torch.Tensor:
 
 def moe_weights(kind: str, h: int, inter: int, e: int, dtype, gen):
     """Every expert distinct in memory (Kimi K2 in BF16: 34 GB), made on the device."""
-    from kernels.moe_common import MoEWeights
+    from slimserve_kernels.moe_common import MoEWeights
 
     if kind == "bf16":
         w13, w2 = _dense((e, 2 * inter, h), dtype, gen), _dense((e, h, inter), dtype, gen)
@@ -87,14 +87,14 @@ def moe_weights(kind: str, h: int, inter: int, e: int, dtype, gen):
 
 def _gemm(kind: str, x, w, e, which: str):
     """One expert's projection through the kernel the per-expert module would call."""
-    import kernels
+    import slimserve_kernels
 
     t, s = (w.w13, w.s13) if which == "13" else (w.w2, w.s2)
     if kind == "bf16":
         return x @ t[e].T
     if kind == "fp8":
-        return kernels.triton_fp8_gemm(x, t[e], s[e], (128, 128))
-    return kernels.triton_int4_gemm(x, t[e], s[e], None, 32)
+        return slimserve_kernels.triton_fp8_gemm(x, t[e], s[e], (128, 128))
+    return slimserve_kernels.triton_int4_gemm(x, t[e], s[e], None, 32)
 
 
 def moe_loop(x, tw, ids, w, kind: str):
@@ -116,7 +116,7 @@ def moe_loop(x, tw, ids, w, kind: str):
 
 
 def bench_moe(shapes: dict, tokens: list[int], kinds, device, dtype, time_ms) -> list[dict]:
-    import kernels
+    import slimserve_kernels
 
     gen, rows = torch.Generator(device=device).manual_seed(0), []
     host = torch.Generator().manual_seed(0)  # routing
@@ -127,11 +127,11 @@ def bench_moe(shapes: dict, tokens: list[int], kinds, device, dtype, time_ms) ->
                 x = torch.randn(t, h, generator=gen, device=device).to(dtype)
                 ids = torch.stack([torch.randperm(e, generator=host)[:TOP_K] for _ in range(t)])
                 ids, tw = ids.to(device), (torch.rand(t, TOP_K, generator=host) + 0.1).to(device)
-                fused = kernels.triton_fused_moe(x, tw, ids, w)
+                fused = slimserve_kernels.triton_fused_moe(x, tw, ids, w)
                 loop = moe_loop(x, tw, ids, w, kind)
                 err = (fused.float() - loop.float()).abs().max() / loop.float().abs().max()
                 args = (x, tw, ids, w)
-                f_ms = time_ms(partial(kernels.triton_fused_moe, *args), device)
+                f_ms = time_ms(partial(slimserve_kernels.triton_fused_moe, *args), device)
                 l_ms = time_ms(partial(moe_loop, *args, kind), device)
                 rows.append(
                     dict(
@@ -152,8 +152,8 @@ def bench_moe(shapes: dict, tokens: list[int], kinds, device, dtype, time_ms) ->
 
 
 def bench_gemm(shapes: dict, ms: list[int], device, dtype, time_ms) -> list[dict]:
-    import kernels
-    from kernels import reference
+    import slimserve_kernels
+    from slimserve_kernels import reference
 
     gen, rows = torch.Generator(device=device).manual_seed(0), []
     for model, projs in shapes.items():
@@ -167,11 +167,11 @@ def bench_gemm(shapes: dict, ms: list[int], device, dtype, time_ms) -> list[dict
                 fns = {
                     "bf16": (partial(torch.matmul, x, wb.T), None),
                     "fp8": (
-                        partial(kernels.triton_fp8_gemm, *b8),
+                        partial(slimserve_kernels.triton_fp8_gemm, *b8),
                         partial(reference.fp8_gemm, *b8),
                     ),
                     "int4": (
-                        partial(kernels.triton_int4_gemm, *b4),
+                        partial(slimserve_kernels.triton_int4_gemm, *b4),
                         partial(reference.int4_gemm, *b4),
                     ),
                 }

@@ -4,7 +4,7 @@ of Kimi K2 and GLM-4.5, computed from their published config.json values (no dow
 Arithmetic only, no tensors: parameter counts follow the module shapes of
 app/models/{deepseek_v3,glm4_moe,mla,moe}.py; byte formats follow this repository's layouts:
 
-- KV cache (kernels/README.md): BF16 = 2 bytes per element; FP8 = 1 byte per element + one
+- KV cache (slimserve_kernels/README.md): BF16 = 2 bytes per element; FP8 = 1 byte per element + one
   int8 power-of-two scale exponent per token and KV head (MLA: one "head" per token).
 - FP8 weights: block-scaled e4m3 (128 x 128 blocks, one fp32 scale each), as DeepSeek-V3 and
   Kimi K2 ship; embeddings, LM head, norms and routers stay BF16.

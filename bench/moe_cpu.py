@@ -1,4 +1,4 @@
-"""CPU MoE: the fused sorted-layout path (`kernels.moe_common.fused_moe_torch`, what
+"""CPU MoE: the fused sorted-layout path (`slimserve_kernels.moe_common.fused_moe_torch`, what
 `MoE.routed` runs on CPU) vs the per-expert module loop (`MoE.routed_loop`), at the expert
 shapes of GLM-4.5 (H 5120, I 1536, 160 experts) and Kimi K2 (H 7168, I 2048, 384 experts),
 top-8, 1-64 tokens, float32 (the CPU activation dtype), dense and FP8-block experts.
@@ -32,7 +32,7 @@ from app.models.moe import GatedMLP, MoE  # noqa: E402
 from app.quant.fp8 import quantize_fp8_block  # noqa: E402
 from app.quant.fp8_linear import Fp8Linear  # noqa: E402
 from bench.common import RESULTS, write_json  # noqa: E402
-from kernels.moe_common import MoEWeights, fused_moe_torch  # noqa: E402
+from slimserve_kernels.moe_common import MoEWeights, fused_moe_torch  # noqa: E402
 
 SHAPES = {"GLM-4.5": (5120, 1536, 160), "Kimi K2": (7168, 2048, 384)}  # H, I, experts
 TOKENS = [1, 2, 4, 8, 16, 32, 64]

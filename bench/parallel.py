@@ -20,7 +20,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
-sys.path[0:1] = [ROOT]  # the repo root, not bench/ (bench/kernels.py shadows kernels/)
+sys.path[0:1] = [
+    ROOT
+]  # the repo root first, so `app` and `slimserve_kernels` import from the checkout
 sys.path.append(os.path.join(ROOT, "tests"))
 os.environ.setdefault("SLIMSERVE_TP_START_METHOD", "forkserver")
 OUT = os.path.join(os.path.dirname(__file__), "results", "parallel.json")

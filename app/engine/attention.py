@@ -1,8 +1,8 @@
 """Attention backends: paged attention over the KV cache, called by the model per layer.
 
 The engine writes the step's new K/V into the cache, then attends over the cache
-(write-then-read, see kernels/README.md). A backend is a table of three ops with the
-signatures of kernels/reference.py; the reference runs everywhere, Triton on CUDA.
+(write-then-read, see slimserve_kernels/README.md). A backend is a table of three ops with the
+signatures of slimserve_kernels/reference.py; the reference runs everywhere, Triton on CUDA.
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ class AttentionMetadata:
 def backend_ops(name: str, device: torch.device):
     """An object providing kv_write / paged_decode_attention / paged_prefill_attention."""
     if name == "reference":
-        return importlib.import_module("kernels.reference")
+        return importlib.import_module("slimserve_kernels.reference")
     if name == "torch" or (name == "auto" and device.type != "cuda"):
         return importlib.import_module("app.engine.torch_attention")
-    kernels = importlib.import_module("kernels")
+    kernels = importlib.import_module("slimserve_kernels")
     if name == "auto":  # Triton on CUDA, reference elsewhere, decided per call
         return kernels
     if name == "triton":  # always Triton (the interpreter on CPU)

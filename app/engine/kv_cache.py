@@ -1,8 +1,8 @@
 """The paged KV cache tensors of one rank (what they hold: app/kv/layout.py KVCacheSpec).
 
 kv [L, P, num_blocks, block_size, Hkv, D] in the dtype's storage type and, for a dtype with
-scales (FP8), scales [L, P, num_blocks, block_size, Hkv] (kernels/README.md). For MLA (P = 1)
-V is a view of the one plane: attention reads the latent as both key and value (the
+scales (FP8), scales [L, P, num_blocks, block_size, Hkv] (slimserve_kernels/README.md).
+For MLA (P = 1) V is a view of the one plane: attention reads the latent as both key and value (the
 absorbed-weights formulation, app/models/mla.py).
 """
 

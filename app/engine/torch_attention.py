@@ -1,4 +1,5 @@
-"""Vectorized PyTorch attention ops for CPU serving (same signatures as kernels/reference.py).
+"""Vectorized PyTorch attention ops for CPU serving (same signatures as
+slimserve_kernels/reference.py).
 
 The reference loops over sequences, which is clear but slow for a batch of decodes; here a
 decode batch gathers every sequence's blocks at once ([B, max_blocks * block_size] keys),
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.reference import is_fp8, kv_write, paged_prefill_attention
+from slimserve_kernels.reference import is_fp8, kv_write, paged_prefill_attention
 
 __all__ = [
     "DecodeContext",

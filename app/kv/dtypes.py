@@ -1,7 +1,7 @@
 """The KV cache dtypes: one table row per dtype, read by the cache, codec, attention and config.
 
-Adding a KV dtype is one `KVDtype` row here plus its kernels (kernels/README.md): the cache
-tensors, bytes per token, chunk payloads, salts and layouts all follow from the row.
+Adding a KV dtype is one `KVDtype` row here plus its kernels (slimserve_kernels/README.md):
+the cache tensors, bytes per token, chunk payloads, salts and layouts all follow from the row.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ scored by the sum of its two best biased scores, the best `topk_group` groups st
 and the top `num_experts_per_tok` eligible experts are chosen. Their unbiased scores are the
 weights, optionally renormalized to sum to 1, times `routed_scaling_factor`.
 
-Execution (`kernels.fused_moe`): the experts' weights are stacked once (moe_fused.py; each
+Execution (`slimserve_kernels.fused_moe`): the experts' weights are stacked once (moe_fused.py; each
 expert's parameters become views of the stacks); the (token, expert) pairs are sorted by
 expert; on CUDA two Triton grouped GEMMs run all experts at once (gate+up with SiLU-and-mul
 fused, down with the routing weights applied), on CPU torch runs the sorted layout expert by
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kernels
+import slimserve_kernels
 from app.config import ModelConfig
 from app.models.hooks import ModelHooks
 from app.models.layers import (
@@ -179,10 +179,10 @@ class MoE(nn.Module):
     def routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """This rank's experts' weighted outputs: [T, hidden] (a partial sum under TP/EP)."""
         w = self.fused_weights() if self.use_fused and len(self.local) else None
-        if w is None or (w.kind == "int4" and not kernels.use_triton(x)):
+        if w is None or (w.kind == "int4" and not slimserve_kernels.use_triton(x)):
             return self.routed_loop(x, weights, ids)
         # Local expert ids; another EP rank's experts fall outside [0, E_local) and are skipped.
-        return kernels.fused_moe(x, weights, ids - self.local.start, w)
+        return slimserve_kernels.fused_moe(x, weights, ids - self.local.start, w)
 
     def routed_loop(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor):
         """One module call per active expert over its slice of gathered tokens: [T, hidden]."""

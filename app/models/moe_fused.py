@@ -1,5 +1,5 @@
-"""Stack a MoE layer's expert modules into one `kernels.moe_common.MoEWeights` for the fused
-kernels, without a second copy: every expert's parameters become views into the stacks.
+"""Stack a MoE layer's expert modules into one `slimserve_kernels.moe_common.MoEWeights` for
+the fused kernels, without a second copy: every expert's parameters become views into the stacks.
 
 Experts stay `GatedMLP` modules (checkpoint names, table-driven loading, TP/EP loaders,
 module replacement by app.quant). The first fused forward after loading stacks them; the
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.moe_common import MoEWeights
+from slimserve_kernels.moe_common import MoEWeights
 
 INT4_KERNEL_GROUPS = (32, 64, 128)
 

@@ -6,7 +6,7 @@
 (per output channel), or 1 x bk when a checkpoint's block rows do not line up with this
 layer's merged shards or tensor-parallel slices (e.g. q/k/v of a model with 64-row k_proj).
 
-CUDA: `kernels.fp8_gemm` (Triton, dequantized in the kernel). CPU: the weight is
+CUDA: `slimserve_kernels.fp8_gemm` (Triton, dequantized in the kernel). CPU: the weight is
 dequantized to the activation dtype for each forward (one layer at a time, then freed), so
 resident memory stays FP8 on both.
 
@@ -24,10 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kernels
+import slimserve_kernels
 from app.models.parallel import SINGLE, TPContext
 from app.quant.params import copy_loader, loaded_param
-from kernels.reference import dequantize_fp8_blocks
+from slimserve_kernels.reference import dequantize_fp8_blocks
 
 FP8_DTYPE = torch.float8_e4m3fn
 
@@ -114,8 +114,10 @@ class Fp8Linear(nn.Module):
         return dequantize_fp8_blocks(self.weight, self.weight_scale_inv, self.block, dtype)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:  # x: [M, K] -> [M, N]
-        if kernels.use_triton(x):
-            return kernels.triton_fp8_gemm(x, self.weight, self.weight_scale_inv, self.block)
+        if slimserve_kernels.use_triton(x):
+            return slimserve_kernels.triton_fp8_gemm(
+                x, self.weight, self.weight_scale_inv, self.block
+            )
         return F.linear(x, self.dequantized_weight(x.dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

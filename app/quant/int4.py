@@ -1,6 +1,6 @@
 """INT4 weight quantization in the kernels' canonical packed layout, RTN and GPTQ.
 
-Layout (kernels/README.md): `qweight [N, K/8] int32`, nibble i (bits 4i..4i+3) of word j
+Layout (slimserve_kernels/README.md): `qweight [N, K/8] int32`, nibble i (bits 4i..4i+3) of word j
 holds column 8j + i as an unsigned 0..15; `scales [N, K/g]`; `zeros [N, K/g]` in the integer
 domain (uint8 0..15) or `None`, meaning 8 (symmetric). `W[n, k] = (q - z) * s` per group.
 """
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.reference import unpack_int4
+from slimserve_kernels.reference import unpack_int4
 
 GROUP_SIZES = (32, 64, 128)
 QMAX = 15

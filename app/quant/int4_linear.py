@@ -1,6 +1,6 @@
 """`Int4Linear`: W4A16 drop-in for the model's linear layers (module replacement).
 
-On CUDA it calls `kernels.int4_gemm` (Triton; groups 32/64/128, larger multiples are split
+On CUDA it calls `slimserve_kernels.int4_gemm` (Triton; groups 32/64/128, larger multiples are split
 into those); on CPU it calls PyTorch's built-in int4
 matmul, `aten._weight_int4pack_mm_for_cpu`, on a weight converted once by
 `aten._convert_weight_to_int4pack_for_cpu`. Their conventions, found by experiment on
@@ -27,14 +27,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kernels
+import slimserve_kernels
 from app.models.parallel import SINGLE, TPContext
 from app.quant.int4 import SYM_ZERO, Int4Weight
 from app.quant.params import copy_loader, loaded_param
 
 log = logging.getLogger(__name__)
 CPU_GROUPS = (256, 128, 64, 32)
-GPU_GROUPS = (128, 64, 32)  # what kernels.int4_gemm (Triton) accepts
+GPU_GROUPS = (128, 64, 32)  # what slimserve_kernels.int4_gemm (Triton) accepts
 CPU_ROW_MULTIPLE = 16
 
 
@@ -201,7 +201,9 @@ class Int4Linear(nn.Module):
             qw = self._gpu.get("w")
             if qw is None:
                 qw = self._gpu["w"] = regroup(self.weight_int4, GPU_GROUPS)
-            return kernels.int4_gemm(x.contiguous(), qw.qweight, qw.scales, qw.zeros, qw.group_size)
+            return slimserve_kernels.int4_gemm(
+                x.contiguous(), qw.qweight, qw.scales, qw.zeros, qw.group_size
+            )
         pack = self._cpu.get(x.dtype)
         if pack is None:
             pack = self._cpu[x.dtype] = CpuInt4Pack.build(self.weight_int4, x.dtype)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from app.quant.int4 import SYM_ZERO, Int4Weight, pack_int4
-from kernels.reference import unpack_int4
+from slimserve_kernels.reference import unpack_int4
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i holds column AWQ_ORDER[i] of its 8
 AWQ_REVERSE = (0, 4, 1, 5, 2, 6, 3, 7)  # column j sits in nibble AWQ_REVERSE[j]

@@ -4,7 +4,7 @@ import torch
 
 from app import LLM, SamplingParams
 from app.kv.layout import KVCacheSpec
-from kernels.reference import dequantize_fp8, quantize_fp8
+from slimserve_kernels.reference import dequantize_fp8, quantize_fp8
 
 PROMPT = [3 + (i * 7) % 300 for i in range(48)]
 
@@ -43,7 +43,7 @@ def kl(p_logits, q_logits):
 
 def test_fp8_error_detected_if_scales_dropped(llama_path, monkeypatch):
     """The accuracy test above can fail: ignoring the scales ruins the logits."""
-    import kernels.reference as ref_ops
+    import slimserve_kernels.reference as ref_ops
 
     full = LLM(llama_path, dtype="float32", device="cpu")
     fp8 = LLM(llama_path, dtype="float32", device="cpu", kv_cache_dtype="fp8_e4m3")

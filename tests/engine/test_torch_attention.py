@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from app.engine import torch_attention
-from kernels import reference
+from slimserve_kernels import reference
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])

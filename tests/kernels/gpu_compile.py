@@ -29,9 +29,9 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-# The Triton modules (kernels.int4_gemm is the dispatch function).
+# The Triton modules (slimserve_kernels.int4_gemm is the dispatch function).
 attn_common, fp8_gemm, fused_moe, int4_gemm, kv_write, paged_decode, paged_prefill = (
-    importlib.import_module(f"kernels.{m}")
+    importlib.import_module(f"slimserve_kernels.{m}")
     for m in (
         "attn_common",
         "fp8_gemm_triton",
@@ -42,7 +42,7 @@ attn_common, fp8_gemm, fused_moe, int4_gemm, kv_write, paged_decode, paged_prefi
         "paged_prefill",
     )
 )
-from kernels.moe_common import MoEWeights  # noqa: E402
+from slimserve_kernels.moe_common import MoEWeights  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 TYPES = {

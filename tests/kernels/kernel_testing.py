@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import reference
+from slimserve_kernels import reference
 
 FP8 = torch.float8_e4m3fn
 # Per query dtype (atol, rtol) for attention outputs of magnitude ~1. fp16 rounds p and the

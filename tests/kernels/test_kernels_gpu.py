@@ -14,7 +14,7 @@ import pytest
 import torch
 from kernel_testing import FP8, block_tables, filled_cache
 
-from kernels import reference
+from slimserve_kernels import reference
 
 pytestmark = [
     pytest.mark.gpu,
@@ -25,7 +25,7 @@ BF16_TOL = dict(atol=2e-2, rtol=2e-2)
 
 
 def _mod(name: str):
-    return importlib.import_module(f"kernels.{name}")
+    return importlib.import_module(f"slimserve_kernels.{name}")
 
 
 def _cuda(xs):

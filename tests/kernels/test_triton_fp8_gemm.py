@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference
+from slimserve_kernels import reference
 
 pytestmark = pytest.mark.triton
-gemm = pytest.importorskip("kernels.fp8_gemm_triton")
+gemm = pytest.importorskip("slimserve_kernels.fp8_gemm_triton")
 
 FP8 = torch.float8_e4m3fn
 # Relative (to max |y|) error: the FP8 weight is exact in fp16/fp32, so only x's rounding

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference
-from kernels.moe_common import MoEWeights, align_rows, fused_moe_torch
+from slimserve_kernels import reference
+from slimserve_kernels.moe_common import MoEWeights, align_rows, fused_moe_torch
 
 pytestmark = pytest.mark.triton
-fused = pytest.importorskip("kernels.fused_moe_triton")
+fused = pytest.importorskip("slimserve_kernels.fused_moe_triton")
 
 FP8 = torch.float8_e4m3fn
 # Relative to max |out|: fp32 differs only in summation order; fp16 rounds x, the

@@ -20,16 +20,18 @@ TARGETS = ("90", "80")
 
 
 def launched_kernels() -> set[str]:
-    """Every `@triton.jit` function named `*_kernel` in kernels/ (the launched ones; helpers
-    such as `_w_tile` are inlined into them), read from the source, not from gpu_compile."""
+    """Every `@triton.jit` function named `*_kernel` in slimserve_kernels/ (the launched ones;
+    helpers such as `_w_tile` are inlined into them), read from the source, not from gpu_compile."""
     pattern = re.compile(r"@triton\.jit\s*\ndef (\w+_kernel)\(")
-    return {m for f in (ROOT / "kernels").glob("*.py") for m in pattern.findall(f.read_text())}
+    return {
+        m for f in (ROOT / "slimserve_kernels").glob("*.py") for m in pattern.findall(f.read_text())
+    }
 
 
 def test_kernels_compile_for_sm90_and_sm80():
-    """The expectation comes from the output's own launch lines and from kernels/ itself: a
-    new kernel that gpu_compile.py does not launch fails here. Seen to fail: with the fused
-    MoE launches removed from gpu_compile.py, `_moe_gemm_kernel` was reported missing; with
+    """The expectation comes from the output's own launch lines and from slimserve_kernels/
+    itself: a new kernel that gpu_compile.py does not launch fails here. Seen to fail: with the
+    fused MoE launches removed from gpu_compile.py, `_moe_gemm_kernel` was reported missing; with
     4 warps in fused_moe.choose_config the sm_90 spill check failed (288-byte stack)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = Path(__file__).with_name("gpu_compile.py")

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference
+from slimserve_kernels import reference
 
 pytestmark = pytest.mark.triton
-gemm = pytest.importorskip("kernels.int4_gemm_triton")
+gemm = pytest.importorskip("slimserve_kernels.int4_gemm_triton")
 
 # Relative (to max |y|) error per activation dtype: fp16 rounds x and the dequantized W once.
 REL_TOL = {torch.float16: 2e-3, torch.float32: 1e-5}

@@ -6,10 +6,10 @@ import pytest
 import torch
 from kernel_testing import FP8, empty_cache, random_kv
 
-from kernels import reference
+from slimserve_kernels import reference
 
 pytestmark = pytest.mark.triton
-kv_write_triton = pytest.importorskip("kernels.kv_write_triton").kv_write
+kv_write_triton = pytest.importorskip("slimserve_kernels.kv_write_triton").kv_write
 
 
 def _bits(t: torch.Tensor | None):

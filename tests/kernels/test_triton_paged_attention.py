@@ -6,12 +6,12 @@ import pytest
 import torch
 from kernel_testing import ATTN_TOL, FP8, block_tables, empty_cache, filled_cache, random_kv
 
-from kernels import reference
+from slimserve_kernels import reference
 
 pytestmark = pytest.mark.triton
-decode = pytest.importorskip("kernels.paged_decode")
-prefill = pytest.importorskip("kernels.paged_prefill")
-from kernels.kv_write_triton import kv_write as kv_write_triton  # noqa: E402
+decode = pytest.importorskip("slimserve_kernels.paged_decode")
+prefill = pytest.importorskip("slimserve_kernels.paged_prefill")
+from slimserve_kernels.kv_write_triton import kv_write as kv_write_triton  # noqa: E402
 
 CACHE_DTYPES = [FP8, torch.float16, torch.float32]
 
@@ -133,7 +133,7 @@ def test_chunked_prefill_equals_full_prefill(cache_dtype):
 
 def test_fp8_as_bits_path(monkeypatch):
     """GPUs without native e4m3 (A100) get the cache as uint8 and decode bits in-kernel."""
-    from kernels import attn_common
+    from slimserve_kernels import attn_common
 
     monkeypatch.setattr(attn_common, "fp8_native", lambda t: False)
     gen = torch.Generator().manual_seed(8)

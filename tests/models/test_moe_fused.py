@@ -5,7 +5,7 @@ DeepSeek-V3 tiny checkpoints (their transformers equality is in test_glm4_moe/de
 import pytest
 import torch
 
-import kernels
+import slimserve_kernels
 from app import LLM
 from app.models.moe import MoE
 from models.moe_checkpoints import PROMPTS, int4_experts_checkpoint, make_moe_checkpoint
@@ -49,7 +49,7 @@ def test_fused_triton_int4_experts_equal_loop(paths, tmp_path):
     grouped GEMMs (interpreter) vs the Int4Linear module loop (PyTorch int4 matmul)."""
     path = int4_experts_checkpoint(paths["deepseek_v3"], str(tmp_path / "int4"))
     llm = LLM(path, dtype="float32", device="cpu")
-    with kernels.force_triton():
+    with slimserve_kernels.force_triton():
         x = torch.randn(5, llm.engine.model.config.hidden_size)
         moe = _moes(llm)[0]
         assert moe.fused_weights().kind == "int4"

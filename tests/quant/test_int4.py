@@ -5,7 +5,7 @@ import torch
 
 from app.quant.gptq import HessianAccumulator, quantize_gptq
 from app.quant.int4 import Int4Weight, pack_int4, quantization_error, quantize_rtn
-from kernels.reference import int4_gemm, unpack_int4
+from slimserve_kernels.reference import int4_gemm, unpack_int4
 
 
 def test_pack_unpack_round_trip_and_nibble_order():

@@ -74,13 +74,13 @@ def test_regroup_is_exact():
 
 @pytest.mark.triton
 def test_cuda_path_arguments_run_the_triton_kernel():
-    # What Int4Linear hands kernels.int4_gemm on CUDA, run by the Triton interpreter here.
-    import kernels
+    # What Int4Linear hands slimserve_kernels.int4_gemm on CUDA, run by the Triton interpreter here.
+    import slimserve_kernels
 
     torch.manual_seed(0)
     qw = regroup(quantize_rtn(torch.randn(32, 256), 256, False), (128, 64, 32))
     x = torch.randn(4, 256)
-    y = kernels.triton_int4_gemm(x, qw.qweight, qw.scales, qw.zeros, qw.group_size)
+    y = slimserve_kernels.triton_int4_gemm(x, qw.qweight, qw.scales, qw.zeros, qw.group_size)
     torch.testing.assert_close(y, x @ qw.dequantize().T, atol=1e-3, rtol=1e-4)
 
 

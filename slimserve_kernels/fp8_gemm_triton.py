@@ -18,9 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.device import num_sms
-from kernels.fp8_utils import e4m3_bits_to_fp16
-from kernels.reference import FP8_DTYPE, dequantize_fp8_blocks
+from slimserve_kernels.device import num_sms
+from slimserve_kernels.fp8_utils import e4m3_bits_to_fp16
+from slimserve_kernels.reference import FP8_DTYPE, dequantize_fp8_blocks
 
 
 @triton.jit

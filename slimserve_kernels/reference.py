@@ -1,8 +1,8 @@
-"""PyTorch reference implementations of every kernel in `kernels/`.
+"""PyTorch reference implementations of every kernel in `slimserve_kernels/`.
 
-Each function here has the same signature as its Triton twin; `kernels/__init__.py`
+Each function here has the same signature as its Triton twin; `slimserve_kernels/__init__.py`
 dispatches to Triton on CUDA and to these on CPU. The cache layout they share is the
-contract documented in `kernels/README.md`.
+contract documented in `slimserve_kernels/README.md`.
 """
 
 from __future__ import annotations
@@ -201,7 +201,7 @@ def fused_moe(
     x: torch.Tensor,  # [T, H]
     topk_weights: torch.Tensor,  # [T, k] float32 routing weights
     topk_ids: torch.Tensor,  # [T, k] int64 local expert ids (outside [0, E): other ranks')
-    w,  # kernels.moe_common.MoEWeights
+    w,  # slimserve_kernels.moe_common.MoEWeights
 ) -> torch.Tensor:
     """The per-expert loop, in fp32: for each (token, expert) pair,
     out[t] += weight * down_e(silu(gate_e(x[t])) * up_e(x[t])) -> [T, H] x.dtype."""

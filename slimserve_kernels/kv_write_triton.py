@@ -7,8 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8_utils import fp8_scale_exponent, fp32_to_e4m3_bits, pow2
-from kernels.reference import is_fp8
+from slimserve_kernels.fp8_utils import fp8_scale_exponent, fp32_to_e4m3_bits, pow2
+from slimserve_kernels.reference import is_fp8
 
 
 @triton.jit

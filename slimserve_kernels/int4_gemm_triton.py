@@ -1,6 +1,6 @@
 """W4A16 GEMM: y[M, N] = x[M, K] @ W.T with W unpacked on the fly from int32 words.
 
-Packing (kernels/README.md): nibble i of qweight[n, j] is W's column 8j + i, unsigned 0..15,
+Packing (README.md here): nibble i of qweight[n, j] is W's column 8j + i, unsigned 0..15,
 W[n, k] = (q - z[n, k // g]) * s[n, k // g], z = 8 when symmetric.
 
 Three paths (`choose_config`):
@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.device import num_sms
+from slimserve_kernels.device import num_sms
 
 
 @triton.jit

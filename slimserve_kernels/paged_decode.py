@@ -12,14 +12,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attn_common import (
+from slimserve_kernels.attn_common import (
     cache_operands,
     check_cache,
     dot_operands,
     kv_tile_update,
 )
-from kernels.device import num_sms
-from kernels.reference import is_fp8
+from slimserve_kernels.device import num_sms
+from slimserve_kernels.reference import is_fp8
 
 
 @triton.jit

@@ -5,7 +5,7 @@ reference elsewhere.
 which then run under the interpreter (TRITON_INTERPRET=1 must be set before triton is
 imported). The `triton_*` names always run Triton. Importing this package never imports
 triton: the kernel modules load on first use. The Triton modules are named `*_triton`
-(`kernels/int4_gemm_triton.py`, ...) so that importing one never rebinds the dispatch
+(`slimserve_kernels/int4_gemm_triton.py`, ...) so that importing one never rebinds the dispatch
 function of the same name on this package.
 """
 
@@ -19,7 +19,7 @@ from collections.abc import Iterator
 
 import torch
 
-from kernels import reference
+from slimserve_kernels import reference
 
 __all__ = [
     "force_triton",
@@ -67,7 +67,7 @@ def use_triton(t: torch.Tensor) -> bool:
 
 
 def _kernel(module: str, name: str):
-    return getattr(importlib.import_module(f"kernels.{module}"), name)
+    return getattr(importlib.import_module(f"slimserve_kernels.{module}"), name)
 
 
 def triton_int4_gemm(*args, **kwargs) -> torch.Tensor:
@@ -95,24 +95,24 @@ def triton_paged_prefill_attention(*args, **kwargs) -> torch.Tensor:
 
 
 def int4_gemm(x, qweight, scales, zeros, group_size: int) -> torch.Tensor:
-    """y [M, N] = x [M, K] @ W.T, W from INT4 qweight [N, K // 8]; see kernels/README.md."""
+    """y [M, N] = x [M, K] @ W.T, W from INT4 qweight [N, K // 8]; see README.md here."""
     fn = triton_int4_gemm if use_triton(x) else reference.int4_gemm
     return fn(x, qweight, scales, zeros, group_size)
 
 
 def fp8_gemm(x, weight, scale, block: tuple[int, int]) -> torch.Tensor:
-    """y [M, N] = x [M, K] @ W.T, W = FP8 weight [N, K] * block scale; see kernels/README.md."""
+    """y [M, N] = x [M, K] @ W.T, W = FP8 weight [N, K] * block scale; see README.md here."""
     fn = triton_fp8_gemm if use_triton(x) else reference.fp8_gemm
     return fn(x, weight, scale, block)
 
 
 def fused_moe(x, topk_weights, topk_ids, w) -> torch.Tensor:
     """Routed experts' weighted sum [T, H] for x [T, H] and its top-k (weights, local expert
-    ids) [T, k], w a `kernels.moe_common.MoEWeights`: Triton's two grouped GEMMs on CUDA,
+    ids) [T, k], w a `slimserve_kernels.moe_common.MoEWeights`: Triton's two grouped GEMMs on CUDA,
     the sorted-layout torch path on CPU (reference.fused_moe is the per-expert loop)."""
     if use_triton(x):
         return triton_fused_moe(x, topk_weights, topk_ids, w)
-    from kernels.moe_common import fused_moe_torch
+    from slimserve_kernels.moe_common import fused_moe_torch
 
     return fused_moe_torch(x, topk_weights, topk_ids, w)
 

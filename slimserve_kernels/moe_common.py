@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.reference import dequantize_fp8_blocks, unpack_int4
+from slimserve_kernels.reference import dequantize_fp8_blocks, unpack_int4
 
 
 @dataclass(slots=True)
@@ -22,7 +22,7 @@ class MoEWeights:
     dense: w13 [E, 2I, H], w2 [E, H, I] (gate rows then up rows, as `gate_up_proj`).
     fp8:   the same shapes in float8_e4m3fn; s13 [E, ceil(2I/bn), ceil(H/bk)], s2 likewise
            float32, `block` = (bn, bk).
-    int4:  w13 [E, 2I, H/8] int32 (kernels/README.md packing), s13 [E, 2I, H/g],
+    int4:  w13 [E, 2I, H/8] int32 (slimserve_kernels/README.md packing), s13 [E, 2I, H/g],
            z13 [E, 2I, H/g] or None (symmetric, 8); w2 [E, H, I/8] ...; `group` = g.
     """
 

@@ -1,5 +1,5 @@
 """Fused MoE: two grouped GEMMs over (token, expert) rows sorted by expert and padded per
-expert to BLOCK_M (kernels/moe_common.py `align_rows`), so each M tile belongs to one expert.
+expert to BLOCK_M (moe_common.py `align_rows`), so each M tile belongs to one expert.
 
 1. gate+up: `inter[slot] = silu(x[t] @ W_gate[e].T) * (x[t] @ W_up[e].T)`, both halves of
    `w13[e]` in one program (two accumulators), SiLU-and-mul fused before the store.
@@ -8,7 +8,7 @@ expert to BLOCK_M (kernels/moe_common.py `align_rows`), so each M tile belongs t
 
 Expert weights: dense (fp16/bf16/fp32), FP8 e4m3 with block scales (dequantized in the
 tile, the scale applied to the fp32 partial product per K tile as in fp8_gemm_triton.py), or INT4
-(kernels/README.md packing, groups 32/64/128, unpacked in registers by int4_gemm's
+(slimserve_kernels/README.md packing, groups 32/64/128, unpacked in registers by int4_gemm's
 `_unpack_words`). One launch per projection whatever the number of active experts.
 """
 
@@ -18,9 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8_utils import e4m3_bits_to_fp16
-from kernels.int4_gemm_triton import _unpack_words
-from kernels.moe_common import MoEWeights, align_rows
+from slimserve_kernels.fp8_utils import e4m3_bits_to_fp16
+from slimserve_kernels.int4_gemm_triton import _unpack_words
+from slimserve_kernels.moe_common import MoEWeights, align_rows
 
 KINDS = {"dense": 0, "fp8": 1, "int4": 2}
 

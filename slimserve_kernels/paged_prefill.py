@@ -12,8 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attn_common import cache_operands, check_cache, dot_operands, kv_tile_update
-from kernels.reference import is_fp8
+from slimserve_kernels.attn_common import cache_operands, check_cache, dot_operands, kv_tile_update
+from slimserve_kernels.reference import is_fp8
 
 
 @triton.jit

@@ -7,8 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8_utils import e4m3_bits_to_fp16, pow2
-from kernels.reference import FP8_DTYPE, is_fp8
+from slimserve_kernels.fp8_utils import e4m3_bits_to_fp16, pow2
+from slimserve_kernels.reference import FP8_DTYPE, is_fp8
 
 CACHE_DTYPES = (FP8_DTYPE, torch.bfloat16, torch.float16, torch.float32)
 
