@@ -15,13 +15,15 @@ replicas abort the request and free its KV blocks.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
 
 import grpc
+from google.protobuf.message import Message
 from ray import serve
 from ray.serve.grpc_util import RayServegRPCContext
 
@@ -59,8 +61,33 @@ WATCH_PERIOD_S = 5.0
 _SERVING = health_pb2.HealthCheckResponse
 
 
+Reply = TypeVar("Reply", bound=Message)
+UnaryMethod = Callable[[Any, Any, RayServegRPCContext], Awaitable[Reply]]
+
+
 class GrpcRequestError(Exception):
     """Raised after the gRPC context carries the status code the caller should get."""
+
+
+def unary_rpc(reply: type[Reply]) -> Callable[[UnaryMethod], UnaryMethod]:
+    """A unary RPC whose every failure becomes a status code on the context.
+
+    The method then returns an empty `reply` rather than raising, so that trailers (the
+    retry delay) reach the client through Serve's proxy. Serve passes `grpc_context` by
+    keyword, and finds that it may by the wrapped method's signature (functools.wraps)."""
+
+    def wrap(method: UnaryMethod) -> UnaryMethod:
+        @functools.wraps(method)
+        async def rpc(self: GrpcIngress, request: Any, grpc_context: RayServegRPCContext):
+            try:
+                return await method(self, request, grpc_context)
+            except Exception as e:  # noqa: BLE001 - every failure becomes a status code
+                self._grpc_fail(grpc_context, self._grpc_status(e))
+                return reply()
+
+        return rpc
+
+    return wrap
 
 
 class GrpcIngress:
@@ -106,68 +133,57 @@ class GrpcIngress:
             if stream is not None:
                 stream.close()  # cancelled or failed: the engines abort, blocks are freed
 
+    @unary_rpc(pb.CompleteResponse)
     async def Complete(
         self, request: pb.GenerateRequest, grpc_context: RayServegRPCContext
     ) -> pb.CompleteResponse:
-        try:
-            rid, stream, counter, tools, timeout_s = await self._grpc_start(request, grpc_context)
-            per_choice = await stream.collect(timeout_s=timeout_s)
-            return complete_message(rid, self.model_name, per_choice, counter, tools)
-        except Exception as e:  # noqa: BLE001
-            return self._grpc_unary_fail(grpc_context, e, pb.CompleteResponse())
+        rid, stream, counter, tools, timeout_s = await self._grpc_start(request, grpc_context)
+        per_choice = await stream.collect(timeout_s=timeout_s)
+        return complete_message(rid, self.model_name, per_choice, counter, tools)
 
+    @unary_rpc(pb.TokenizeResponse)
     async def Tokenize(
         self, request: pb.TokenizeRequest, grpc_context: RayServegRPCContext
     ) -> pb.TokenizeResponse:
-        try:
-            request = parsed(request)
-            self._grpc_tenant(grpc_context)
-            self.normalizer.check_model(request.model)
-            info = await self.driver.describe()
-            kind = request.WhichOneof("input")
-            if kind == "chat":
-                turns = conversation(request.chat)
-                ids = await asyncio.to_thread(self.tokenizer.encode_chat, turns)
-            elif kind == "text":
-                ids = await asyncio.to_thread(self.tokenizer.encode, request.text)
-            else:
-                raise APIError(400, "input: set exactly one of text or chat")
-            return pb.TokenizeResponse(token_ids=ids, max_model_len=info.max_model_len)
-        except Exception as e:  # noqa: BLE001
-            return self._grpc_unary_fail(grpc_context, e, pb.TokenizeResponse())
+        request = self._grpc_admit(request, grpc_context)
+        self.normalizer.check_model(request.model)
+        info = await self.driver.describe()
+        kind = request.WhichOneof("input")
+        if kind == "chat":
+            turns = conversation(request.chat)
+            ids = await asyncio.to_thread(self.tokenizer.encode_chat, turns)
+        elif kind == "text":
+            ids = await asyncio.to_thread(self.tokenizer.encode, request.text)
+        else:
+            raise APIError(400, "input: set exactly one of text or chat")
+        return pb.TokenizeResponse(token_ids=ids, max_model_len=info.max_model_len)
 
+    @unary_rpc(pb.DetokenizeResponse)
     async def Detokenize(
         self, request: pb.DetokenizeRequest, grpc_context: RayServegRPCContext
     ) -> pb.DetokenizeResponse:
-        try:
-            request = parsed(request)
-            self._grpc_tenant(grpc_context)
-            self.normalizer.check_model(request.model)
-            vocab = (await self.driver.describe()).vocab_size
-            ids = list(request.token_ids)
-            if any(t >= vocab for t in ids):
-                raise APIError(400, f"token_ids: every id must be in [0, {vocab})")
-            text = self.tokenizer.decode(ids, skip_special_tokens=not request.keep_special_tokens)
-            return pb.DetokenizeResponse(text=text)
-        except Exception as e:  # noqa: BLE001
-            return self._grpc_unary_fail(grpc_context, e, pb.DetokenizeResponse())
+        request = self._grpc_admit(request, grpc_context)
+        self.normalizer.check_model(request.model)
+        vocab = (await self.driver.describe()).vocab_size
+        ids = list(request.token_ids)
+        if any(t >= vocab for t in ids):
+            raise APIError(400, f"token_ids: every id must be in [0, {vocab})")
+        text = self.tokenizer.decode(ids, skip_special_tokens=not request.keep_special_tokens)
+        return pb.DetokenizeResponse(text=text)
 
+    @unary_rpc(pb.ListModelsResponse)
     async def ListModels(
         self, request: pb.ListModelsRequest, grpc_context: RayServegRPCContext
     ) -> pb.ListModelsResponse:
-        try:
-            request = parsed(request)
-            self._grpc_tenant(grpc_context)
-            info = await self.driver.describe()
-            model = pb.Model(
-                id=self.model_name,
-                max_model_len=info.max_model_len,
-                vocab_size=info.vocab_size,
-                kv_cache_dtype=info.kv_cache_dtype,  # what the replicas use, never "auto"
-            )
-            return pb.ListModelsResponse(models=[model])
-        except Exception as e:  # noqa: BLE001
-            return self._grpc_unary_fail(grpc_context, e, pb.ListModelsResponse())
+        self._grpc_admit(request, grpc_context)
+        info = await self.driver.describe()
+        model = pb.Model(
+            id=self.model_name,
+            max_model_len=info.max_model_len,
+            vocab_size=info.vocab_size,
+            kv_cache_dtype=info.kv_cache_dtype,  # what the replicas use, never "auto"
+        )
+        return pb.ListModelsResponse(models=[model])
 
     async def Health(
         self, request: pb.HealthRequest, grpc_context: RayServegRPCContext
@@ -226,10 +242,13 @@ class GrpcIngress:
         counter = UsageCounter(len(req.prompt_token_ids), req.params.n)
         return rid, stream, counter, req.tools, timeout_s
 
-    def _grpc_tenant(self, ctx: RayServegRPCContext) -> str | None:
-        """The caller's cache salt; UNAUTHENTICATED when a key is required and not known."""
+    def _grpc_admit(self, request: Reply, ctx: RayServegRPCContext) -> Reply:
+        """The parsed request of a caller with a known key (UNAUTHENTICATED when a key is
+        required and not known; INVALID_ARGUMENT when the proxy could not parse it)."""
+        request = parsed(request)
         metadata = dict(ctx.invocation_metadata())
-        return self.normalizer.tenant_salt(metadata, require_key=self.args.grpc_require_api_key)
+        self.normalizer.tenant_salt(metadata, require_key=self.args.grpc_require_api_key)
+        return request
 
     def _grpc_fail(self, ctx: RayServegRPCContext, error: GrpcError) -> GrpcRequestError:
         ctx.set_code(error.code)
@@ -237,11 +256,6 @@ class GrpcIngress:
         if error.trailers:
             ctx.set_trailing_metadata(list(error.trailers))
         return GrpcRequestError(error.message)
-
-    def _grpc_unary_fail(self, ctx: RayServegRPCContext, e: Exception, empty):
-        """Unary errors return a placeholder with the code set, so trailers reach the client."""
-        self._grpc_fail(ctx, self._grpc_status(e))
-        return empty
 
     def _grpc_status(self, e: Exception) -> GrpcError:
         error = grpc_error(e, self.args.retry_after_s)
