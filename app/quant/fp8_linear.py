@@ -26,13 +26,14 @@ from torch import nn
 
 import slimserve_kernels
 from app.models.parallel import SINGLE, TPContext
+from app.quant.linear import QuantizedLinear
 from app.quant.params import copy_loader, loaded_param
 from slimserve_kernels.reference import dequantize_fp8_blocks
 
 FP8_DTYPE = torch.float8_e4m3fn
 
 
-class Fp8Linear(nn.Module):
+class Fp8Linear(QuantizedLinear):
     """y = x W^T + b with W = FP8 weight x block scales; TP semantics of the layer it replaces."""
 
     def __init__(
@@ -75,13 +76,8 @@ class Fp8Linear(nn.Module):
                 layer.in_features,
                 layer.out_features,
                 block,
-                bias=layer.bias is not None,
-                params_dtype=getattr(layer, "params_dtype", layer.weight.dtype),
-                weight_loader=getattr(layer, "weight_loader", None),
-                tp=getattr(layer, "tp", SINGLE),
                 row_parallel=isinstance(layer, RowParallelLinear),
-                reduce_output=isinstance(layer, RowParallelLinear) and layer.reduce_results,
-                gather_output=getattr(layer, "gather_output", False),
+                **cls.role_of(layer),
             )
         new.shards = output_shards(layer)
         return new
@@ -119,17 +115,6 @@ class Fp8Linear(nn.Module):
                 x, self.weight, self.weight_scale_inv, self.block
             )
         return F.linear(x, self.dequantized_weight(x.dtype))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features).contiguous()
-        y = self._matmul(x2) if x2.shape[0] else x2.new_empty(0, self.out_features)
-        y = y.reshape(*lead, self.out_features)
-        if self.reduce_output:
-            y = self.tp.all_reduce(y)
-        if self.bias is not None:
-            y = y + self.bias
-        return self.tp.all_gather_last(y) if self.gather_output else y
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, fp8 e4m3, block={self.block}"

@@ -30,6 +30,7 @@ from torch import nn
 import slimserve_kernels
 from app.models.parallel import SINGLE, TPContext
 from app.quant.int4 import SYM_ZERO, Int4Weight
+from app.quant.linear import QuantizedLinear
 from app.quant.params import copy_loader, loaded_param
 
 log = logging.getLogger(__name__)
@@ -85,7 +86,7 @@ class CpuInt4Pack:
         return y[:, :n]
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(QuantizedLinear):
     """y = x W^T + b with W in INT4 (canonical layout); TP semantics of the layer it replaces.
 
     `perm` (act-order checkpoints) permutes the input columns so that groups are contiguous:
@@ -150,21 +151,14 @@ class Int4Linear(nn.Module):
         cls, layer: nn.Module, group_size: int, symmetric: bool, act_order: bool = False
     ) -> Int4Linear:
         """An empty Int4Linear with `layer`'s shape, bias, TP role and weight loader."""
-        from app.models.layers import RowParallelLinear
-
         with torch.device(layer.weight.device):
             return cls(
                 layer.in_features,
                 layer.out_features,
                 group_size,
                 symmetric,
-                bias=layer.bias is not None,
                 act_order=act_order,
-                params_dtype=getattr(layer, "params_dtype", layer.weight.dtype),
-                weight_loader=getattr(layer, "weight_loader", None),
-                tp=getattr(layer, "tp", SINGLE),
-                reduce_output=isinstance(layer, RowParallelLinear) and layer.reduce_results,
-                gather_output=getattr(layer, "gather_output", False),
+                **cls.role_of(layer),
             )
 
     @property
@@ -209,18 +203,8 @@ class Int4Linear(nn.Module):
             pack = self._cpu[x.dtype] = CpuInt4Pack.build(self.weight_int4, x.dtype)
         return pack.matmul(x.contiguous(), self.out_features)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)
-        if self.perm is not None:
-            x2 = x2.index_select(1, self.perm)
-        y = self._matmul(x2) if x2.shape[0] else x2.new_empty(0, self.out_features)
-        y = y.reshape(*lead, self.out_features)
-        if self.reduce_output:
-            y = self.tp.all_reduce(y)
-        if self.bias is not None:
-            y = y + self.bias
-        return self.tp.all_gather_last(y) if self.gather_output else y
+    def _columns(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.perm is None else x.index_select(1, self.perm)
 
     def extra_repr(self) -> str:
         sym = "symmetric" if self.zeros is None else "asymmetric"
