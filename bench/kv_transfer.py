@@ -100,10 +100,11 @@ def import_into(cache, chunks, check: bool) -> float:
     """write_import of every chunk into fresh blocks (check=False: the no-op hasher)."""
     from app.engine import kv_transfer
     from app.engine.block_manager import ImportHold
+    from app.kv.chunk_format import ChunkFormat
 
     blocks = list(range(len(chunks) * TOKENS // BLOCK))
     hold = ImportHold(blocks, [None] * len(blocks), list(blocks))
-    fmt = kv_transfer.ChunkFormat("bench", cache.spec, TOKENS)
+    fmt = ChunkFormat("bench", cache.spec, TOKENS)
     if not check:
         chunks = [_unhashed(c) for c in chunks]
     return _timed(lambda: kv_transfer.write_import(cache, fmt, chunks, hold))
@@ -125,7 +126,8 @@ def _unhashed(chunk):
 
 
 def one_repeat(client, metas, tensors, cache, layout: str, prompt) -> dict:
-    from app.kvstore.transfer import ChunkExpectation, fetch_verified, publish
+    from app.kv.chunk_format import ChunkFormat
+    from app.kvstore.transfer import fetch_verified, publish
 
     enc, chunks = {True: [], False: []}, None
     for tagged in (True, False, False, True, True, False):  # alternate, least disturbed
@@ -135,7 +137,7 @@ def one_repeat(client, metas, tensors, cache, layout: str, prompt) -> dict:
     t = time.perf_counter()
     stored = asyncio.run(publish(client, chunks))
     publish_s = time.perf_counter() - t
-    expect = ChunkExpectation("bench", layout, "fp8_e4m3")
+    expect = ChunkFormat.from_layout("bench", "fp8_e4m3", layout, TOKENS)
     t = time.perf_counter()
     got = asyncio.run(fetch_verified(client, stored, expect, prompt, verify_tag=False))
     fetch_s = time.perf_counter() - t

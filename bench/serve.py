@@ -137,9 +137,10 @@ def chunk_transfer(num_chunks: int) -> dict:
     import torch
 
     from app.kv.chunk import ChunkMeta, KVChunk
+    from app.kv.chunk_format import ChunkFormat
     from app.kv.layout import KVLayout
     from app.kvstore.store import KVStoreClient, create_store
-    from app.kvstore.transfer import ChunkExpectation, fetch_verified, publish
+    from app.kvstore.transfer import fetch_verified, publish
 
     layout = str(KVLayout(32, 8, 128, 16))
     prompt = list(range(256 * num_chunks))
@@ -158,7 +159,7 @@ def chunk_transfer(num_chunks: int) -> dict:
     t = time.perf_counter()
     refs = [ray.put(p) for p in plain]
     plain_put_s = time.perf_counter() - t
-    expect = ChunkExpectation("bench", layout, "fp8_e4m3")
+    expect = ChunkFormat.from_layout("bench", "fp8_e4m3", layout, 256)
     got = asyncio.run(fetch_verified(client, stored, expect, prompt))
     assert not got.failures
     del refs

@@ -17,7 +17,6 @@ from app.engine.block_manager import BlockManager
 from app.engine.detokenizer import IncrementalDetokenizer
 from app.engine.fingerprint import eos_token_ids, model_fingerprint
 from app.engine.kv_cache import KVCache
-from app.engine.kv_transfer import ChunkFormat
 from app.engine.model_runner import ModelRunner
 from app.engine.outputs import OutputProcessor
 from app.engine.request import Request, RequestDelta
@@ -33,6 +32,7 @@ from app.engine.structured.manager import StructuredOutputs
 from app.engine.tp_driver import DriverRunner, ShardedKVCache, min_over_ranks
 from app.engine.transfers import Transfers
 from app.engine.workers import start_local_workers
+from app.kv.chunk_format import ChunkFormat
 from app.kv.keys import make_salt
 from app.models.parallel import SINGLE
 from app.tokenizer import Tokenizer

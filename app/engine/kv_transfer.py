@@ -19,33 +19,15 @@ its last block; a partial chunk's is next_hash(previous chunk's hash, its tokens
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 
 from app.engine.kv_cache import KVCache
-from app.kv.chunk import ChunkIntegrityError, ChunkMeta, ChunkMismatchError, KVChunk
+from app.kv.chunk import ChunkIntegrityError, ChunkMismatchError, KVChunk
+from app.kv.chunk_format import ChunkFormat
 from app.kv.keys import BlockHash, chain_hashes, chunk_hash, next_hash
-from app.kv.layout import KVCacheSpec
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class ChunkFormat:
-    """What every chunk of this engine is stamped with and checked against."""
-
-    fingerprint: str
-    spec: KVCacheSpec
-    chunk_tokens: int
-
-    def check(self, chunk: KVChunk) -> None:
-        m, ours = chunk.meta, (self.fingerprint, self.spec.dtype.name, self.spec.layout)
-        if (m.fingerprint, m.kv_dtype, m.layout) != ours:
-            raise ChunkMismatchError(f"chunk is for {m.fingerprint}/{m.kv_dtype}/{m.layout}")
-
-    def is_full(self, num_tokens: int) -> bool:
-        return num_tokens % self.spec.block_size == 0 and num_tokens >= self.chunk_tokens
 
 
 def plan_import(
@@ -165,16 +147,7 @@ def encode_chunks(
         end = min(start + ct, n)
         tokens = tuple(token_ids[start:end])
         h = chunk_hash(parent, tokens, salt, fmt.spec.block_size, fmt.is_full(len(tokens)))
-        meta = ChunkMeta(
-            fmt.fingerprint,
-            fmt.spec.dtype.name,
-            fmt.spec.layout,
-            tokens,
-            start,
-            h.key,
-            parent.key if parent else None,
-            h.digest,
-        )
+        meta = fmt.meta(tokens, start, h, parent)
         sc = None if scales is None else scales[:, :, start:end]
         chunks.append(KVChunk.from_tensors(meta, kv[:, :, start:end], sc))
         parent = h

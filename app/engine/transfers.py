@@ -36,9 +36,10 @@ import torch
 
 from app.engine.block_manager import BlockManager, ImportHold
 from app.engine.kv_cache import KVCache
-from app.engine.kv_transfer import ChunkFormat, encode_chunks, plan_import, write_import
+from app.engine.kv_transfer import encode_chunks, plan_import, write_import
 from app.engine.request import RequestDelta
 from app.engine.sequence import Sequence
+from app.kv.chunk_format import ChunkFormat
 
 log = logging.getLogger(__name__)
 

@@ -1,9 +1,9 @@
 """Publish chunks to the object store and fetch them back, verified.
 
-Every chunk a reader uses passes :meth:`KVChunk.decode` (tag, fingerprint, layout, dtype, key)
-and a token check against the reader's own prompt before it can touch a cache. A chunk that
-fails is dropped from the store and counted; the reader keeps only the verified run before
-it, and the engine recomputes the rest.
+Every chunk a reader uses passes :meth:`KVChunk.decode` (tag, key, and the reader's
+``ChunkFormat``: fingerprint, layout, dtype) and a token check against the reader's own
+prompt before it can touch a cache. A chunk that fails is dropped from the store and counted;
+the reader keeps only the verified run before it, and the engine recomputes the rest.
 """
 
 from __future__ import annotations
@@ -19,18 +19,10 @@ import ray
 from ray.exceptions import RayError
 
 from app.kv.chunk import ChunkError, KVChunk
+from app.kv.chunk_format import ChunkFormat
 from app.kvstore.store import KVStoreClient, StoredChunk
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class ChunkExpectation:
-    """What a reader's cache requires of a chunk."""
-
-    fingerprint: str
-    layout: str
-    kv_dtype: str
 
 
 @dataclass(slots=True)
@@ -74,7 +66,7 @@ async def _put(client: KVStoreClient, chunk: KVChunk, cache: bool) -> StoredChun
 async def fetch_verified(
     client: KVStoreClient,
     stored: Sequence[StoredChunk],
-    expect: ChunkExpectation,
+    expect: ChunkFormat,
     prompt_token_ids: Sequence[int],
     *,
     timeout_s: float = 30.0,
@@ -128,7 +120,7 @@ async def _get(ref: ray.ObjectRef, timeout_s: float):
 def _verify(
     buf,
     stored: StoredChunk,
-    expect: ChunkExpectation,
+    expect: ChunkFormat,
     prompt_token_ids: Sequence[int],
     pos: int,
     verify_tag: bool = True,

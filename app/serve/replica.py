@@ -15,7 +15,7 @@ from app.engine.async_engine import AsyncEngine
 from app.engine.engine import Engine
 from app.kv.chunk import KVChunk
 from app.kvstore.store import KVStoreClient, StoredChunk
-from app.kvstore.transfer import ChunkExpectation, FetchResult, drop_rejected, fetch_verified
+from app.kvstore.transfer import FetchResult, drop_rejected, fetch_verified
 from app.serve.autoscaling import autoscaling_stats
 from app.serve.config import EngineArgs, ServeArgs
 from app.serve.messages import prompt_chunk_keys, short_key
@@ -56,7 +56,7 @@ class EngineHost:
         spec = self.engine.kv_spec
         self.chunk_tokens = args.engine.chunk_tokens
         self.block_size = spec.block_size
-        self.expect = ChunkExpectation(self.engine.fingerprint, spec.layout, spec.dtype.name)
+        self.expect = self.engine.chunk_format  # what fetched chunks must match
         self.inflight_tokens = 0  # prompt tokens of requests this replica is working on
         self._recent: OrderedDict[int, None] = OrderedDict()
         model = model_label(args.served_model_name, self.engine.config.model)

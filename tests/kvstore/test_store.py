@@ -8,14 +8,15 @@ import ray
 import torch
 
 from app.kv.chunk import ChunkMeta, KVChunk
-from app.kv.layout import KVLayout
+from app.kv.chunk_format import ChunkFormat
+from app.kv.layout import KVCacheSpec
 from app.kvstore.store import KVStoreClient, create_store
-from app.kvstore.transfer import ChunkExpectation, fetch_verified, publish
+from app.kvstore.transfer import fetch_verified, publish
 
 pytestmark = pytest.mark.ray
 
-LAYOUT = str(KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4))
-EXPECT = ChunkExpectation(fingerprint="tiny@1", layout=LAYOUT, kv_dtype="fp8_e4m3")
+EXPECT = ChunkFormat("tiny@1", KVCacheSpec(2, 2, 8, 4, "fp8_e4m3"), chunk_tokens=8)
+LAYOUT = EXPECT.layout
 PROMPT = list(range(1000, 1024))
 
 
@@ -136,7 +137,7 @@ def test_chunk_for_another_prompt_is_rejected(client):
 
 def test_wrong_model_is_rejected(client):
     stored = run(publish(client, make_chunks()[:1]))
-    other = ChunkExpectation("tiny@2", LAYOUT, "fp8_e4m3")
+    other = dataclasses.replace(EXPECT, fingerprint="tiny@2")
     got = run(fetch_verified(client, stored, other, PROMPT))
     assert not got.chunks and "fingerprint" in got.failures[0][2]
 

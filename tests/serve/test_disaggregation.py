@@ -11,8 +11,9 @@ from ray import serve
 
 from app import LLM, SamplingParams
 from app.kv.chunk import KVChunk
+from app.kv.chunk_format import ChunkFormat
 from app.kvstore.store import KVStoreClient
-from app.kvstore.transfer import ChunkExpectation, fetch_verified
+from app.kvstore.transfer import fetch_verified
 from app.serve.messages import DecodeRequest, GenerateRequest, RoutingInfo
 from app.serve.replica import prompt_chunk_keys
 from serve.apps import running_app, tiny_serve_args
@@ -74,9 +75,9 @@ def want_text(offline, prompt) -> str:
     return offline.generate([prompt], SamplingParams(temperature=0, max_tokens=MAX_TOKENS))[0].text
 
 
-def expectation(info) -> ChunkExpectation:
+def expectation(info) -> ChunkFormat:
     fingerprint, kv_dtype, layout = info["salt_base"]
-    return ChunkExpectation(fingerprint, layout, kv_dtype)
+    return ChunkFormat.from_layout(fingerprint, kv_dtype, layout, info["chunk_tokens"])
 
 
 def stats(store) -> dict:

@@ -75,10 +75,9 @@ class Replica:
 
     def read(self, rid: str, prompt: list[int], keys: list[bytes]) -> dict:
         from app.engine.request import Request
-        from app.kvstore.transfer import ChunkExpectation, fetch_verified
+        from app.kvstore.transfer import fetch_verified
 
-        spec = self.engine.kv_spec
-        expect = ChunkExpectation(self.engine.fingerprint, spec.layout, spec.dtype.name)
+        expect = self.engine.chunk_format
         hit = asyncio.run(self.store.match_prefix(keys))
         got = asyncio.run(fetch_verified(self.store, hit, expect, prompt, timeout_s=20))
         req = Request(rid, prompt, params(), kv_import=got.chunks or None)

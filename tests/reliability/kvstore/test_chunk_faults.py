@@ -17,7 +17,7 @@ from app.engine.engine import Engine
 from app.engine.request import Request
 from app.engine.sampling_params import SamplingParams
 from app.kvstore.store import KVStoreClient
-from app.kvstore.transfer import ChunkExpectation, fetch_verified, publish
+from app.kvstore.transfer import fetch_verified, publish
 from reliability.kvstore.faults import FAULTS, FaultyShardActor, apply_fault
 
 pytestmark = pytest.mark.ray
@@ -75,8 +75,7 @@ def published(producer: Engine, store: KVStoreClient, prompt: list[int]):
 
 def read(reader: Engine, store: KVStoreClient, stored, prompt: list[int]):
     """A store hit as a replica takes it: look up, fetch and verify, import, generate."""
-    spec = reader.kv_spec
-    expect = ChunkExpectation(reader.fingerprint, spec.layout, spec.dtype.name)
+    expect = reader.chunk_format
     hit = asyncio.run(store.match_prefix([s.key for s in stored]))
     got = asyncio.run(fetch_verified(store, hit, expect, prompt, timeout_s=20))
     out = run(reader, Request(f"r{id(prompt)}", prompt, GREEDY, kv_import=got.chunks or None))
