@@ -196,6 +196,8 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4  # ngram: longest n-gram matched (tried first)
     model: str | None = None  # draft_model: checkpoint path (same tokenizer as the target)
     backoff: bool = True  # propose fewer (down to none) while few proposals are accepted
+    # ... or while verifying costs more wall time per token than plain decoding (cost.py)
+    cost_aware: bool = True
 
     def __post_init__(self):
         if self.method not in SPECULATIVE_METHODS:

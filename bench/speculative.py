@@ -4,12 +4,18 @@ Two workloads, each a batch of prompts cut from the held-out text, greedy:
 - repetitive: "repeat the passage": the passage, a blank line, then its first sentence
   again, so the continuation is a copy of text in the prompt (edits, quotes, code);
 - plain: the beginning of a passage, continued freely.
-For k = 1..5 and with BF16/float32 or FP8 KV: output tokens per target forward (per
-sequence: tokens emitted / forwards the sequence took part in, the hardware-independent
-gain) and tokens per second (wall clock, this machine). Greedy output is checked to be
+For k = 1..5, with BF16/float32 or FP8 KV, and for two policies side by side:
+- "acceptance": the proposer backs off only when its proposals are rejected
+  (`cost_aware: false`);
+- "cost": the default; speculation also pauses while verify steps cost more wall time per
+  emitted token than plain decode steps (app/engine/spec/cost.py);
+output tokens per target forward (per sequence: tokens emitted / forwards the sequence took
+part in, the hardware-independent gain), tokens per second (wall clock, this machine) and
+the share of decode steps the cost policy paused. Every engine keeps its state across the
+runs (warm-up, repeats, both workloads), as a server would. Greedy output is checked to be
 identical to decoding without speculation in every configuration.
 
-    python bench/speculative.py [--model PATH] [--gen 128] [--prompts 4]
+    python bench/speculative.py [--model PATH] [--gen 128] [--prompts 4] [--repeats 2]
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import default_model, write_json  # noqa: E402
 
 KV = {"native": "auto", "fp8": "fp8_e4m3"}
+POLICIES = {"acceptance": False, "cost": True}  # name -> SpeculativeConfig.cost_aware
 
 
 def passages(count: int, chars: int = 700) -> list[str]:
@@ -45,17 +52,20 @@ def workloads(tokenizer, count: int) -> dict[str, list[list[int]]]:
     }
 
 
-def run(llm, prompts, gen: int) -> tuple[list[list[int]], float, float]:
-    """-> (outputs, tokens per target forward per sequence, tokens per second)."""
+def run(llm, prompts, gen: int) -> tuple[list[list[int]], float, float, float]:
+    """-> (outputs, tokens per target forward per sequence, tokens per second, share of
+    the decode steps that the cost policy paused)."""
     from app import SamplingParams
 
     runner = llm.engine.runner
-    forwards = 0
+    forwards = steps = 0
     run_plan = runner.run
+    paused = llm.stats().get("spec_cost_paused_steps", 0)
 
     def counting(plan):
-        nonlocal forwards
+        nonlocal forwards, steps
         forwards += len(plan.seq_lens)  # one forward pass of each scheduled sequence
+        steps += 1
         return run_plan(plan)
 
     runner.run = counting
@@ -69,7 +79,8 @@ def run(llm, prompts, gen: int) -> tuple[list[list[int]], float, float]:
     tokens = sum(len(o.token_ids) for o in outs)
     # the prefill forward of each prompt made its first token: count decode forwards only
     per_forward = (tokens - len(prompts)) / max(1, forwards - len(prompts))
-    return [o.token_ids for o in outs], per_forward, tokens / wall
+    paused = (llm.stats().get("spec_cost_paused_steps", 0) - paused) / max(1, steps - 1)
+    return [o.token_ids for o in outs], per_forward, tokens / wall, paused
 
 
 def best_of(n: int, llm, prompts, gen: int):
@@ -78,31 +89,41 @@ def best_of(n: int, llm, prompts, gen: int):
     return max(runs, key=lambda r: r[2])
 
 
-def measure(model: str, gen: int, count: int, ks: list[int]) -> dict:
+def engines_for(model: str, kv: str, ks: list[int]) -> dict:
+    """(k, policy) -> LLM; k = 0: no speculation."""
     from app import LLM
 
+    engines = {(0, "off"): LLM(model, kv_cache_dtype=kv)}
+    for k in ks:
+        for policy, cost_aware in POLICIES.items():
+            spec = {"method": "ngram", "num_speculative_tokens": k, "cost_aware": cost_aware}
+            engines[k, policy] = LLM(model, kv_cache_dtype=kv, speculative_config=spec)
+    return engines
+
+
+def measure(model: str, gen: int, count: int, ks: list[int], repeats: int) -> dict:
     rows = []
     for kv_name, kv in KV.items():
-        engines = {0: LLM(model, kv_cache_dtype=kv)}
-        for k in ks:
-            spec = {"method": "ngram", "num_speculative_tokens": k}
-            engines[k] = LLM(model, kv_cache_dtype=kv, speculative_config=spec)
-        loads = workloads(engines[0].tokenizer, count)
+        engines = engines_for(model, kv, ks)
+        loads = workloads(engines[0, "off"].tokenizer, count)
         for name, prompts in loads.items():
             for llm in engines.values():  # warm-up (and the prefix cache) on every engine
                 llm.generate(prompts[:1], None)
-            want, base_tpf, base_tps = best_of(2, engines[0], prompts, gen)
-            for k, llm in engines.items():
-                got, tpf, tps = (
-                    (want, base_tpf, base_tps) if k == 0 else best_of(2, llm, prompts, gen)
-                )
-                assert got == want, f"speculation changed greedy output ({name}, k={k}, {kv_name})"
+            base = best_of(repeats, engines[0, "off"], prompts, gen)
+            for (k, policy), llm in engines.items():
+                got, tpf, tps, paused = base if k == 0 else best_of(repeats, llm, prompts, gen)
+                assert got == base[0], f"speculation changed greedy output ({name}, k={k})"
                 rows.append(
-                    dict(kv=kv_name, workload=name, k=k, tokens_per_forward=tpf, tok_s=tps,
-                         speedup_per_forward=tpf / base_tpf, speedup_tok_s=tps / base_tps)
+                    dict(kv=kv_name, workload=name, k=k, policy=policy, tokens_per_forward=tpf,
+                         tok_s=tps, paused_share=paused, speedup_per_forward=tpf / base[1],
+                         speedup_tok_s=tps / base[2])
                 )  # fmt: skip
-                print(f"{kv_name:6} {name:10} k={k} tokens/forward {tpf:.2f} tok/s {tps:.0f}")
-    return {"model": model, "gen": gen, "prompts": count, "rows": rows}
+                print(
+                    f"{kv_name:6} {name:10} k={k} {policy:10} tokens/forward {tpf:.2f} "
+                    f"tok/s {tps:.0f} ({tps / base[2]:.2f}x) paused {paused:.0%}",
+                    flush=True,
+                )
+    return {"model": model, "gen": gen, "prompts": count, "repeats": repeats, "rows": rows}
 
 
 def plot(data: dict, out_dir: str) -> str:
@@ -111,18 +132,25 @@ def plot(data: dict, out_dir: str) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, metric, label in (
-        (axes[0], "speedup_per_forward", "tokens per target forward (x plain decoding)"),
-        (axes[1], "speedup_tok_s", "tokens per second (x plain decoding)"),
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4), sharey=False)
+    for ax, metric, policy, label in (
+        (axes[0], "speedup_per_forward", "cost", "tokens per target forward (x plain)"),
+        (axes[1], "speedup_tok_s", "acceptance", "tok/s (x plain), acceptance backoff only"),
+        (axes[2], "speedup_tok_s", "cost", "tok/s (x plain), cost-aware (default)"),
     ):
         for kv in KV:
             for load, style in (("repetitive", "-o"), ("plain", "--s")):
-                pts = [r for r in data["rows"] if r["kv"] == kv and r["workload"] == load]
+                pts = [
+                    r
+                    for r in data["rows"]
+                    if r["kv"] == kv and r["workload"] == load and r["policy"] in ("off", policy)
+                ]
                 ax.plot(
                     [r["k"] for r in pts], [r[metric] for r in pts], style, label=f"{load}, {kv} KV"
                 )
         ax.axhline(1.0, color="grey", lw=0.8)
+        if metric == "speedup_tok_s":
+            ax.axhline(0.95, color="red", lw=0.6, ls=":")
         ax.set_xlabel("num_speculative_tokens k (0 = off)")
         ax.set_ylabel(label)
         ax.legend(fontsize=8)
@@ -140,13 +168,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--ks", default="1,2,3,4,5")
+    ap.add_argument("--repeats", type=int, default=2, help="runs per cell; the fastest counts")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     from bench.common import RESULTS
 
     out = args.out or RESULTS
     ks = [int(k) for k in args.ks.split(",")]
-    data = measure(args.model or default_model(), args.gen, args.prompts, ks)
+    data = measure(args.model or default_model(), args.gen, args.prompts, ks, args.repeats)
     print(write_json("speculative", data, out), plot(data, out))
     return data
 

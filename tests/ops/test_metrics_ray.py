@@ -22,7 +22,13 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 STORE = "slimserve-kvstore-metrics-test"
 _SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][\w:]*)(?:\{(?P<labels>.*)\})? (?P<value>\S+)$")
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
-NGRAM = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1}
+# cost_aware off: the cost policy could pause speculation on a slow machine
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 2,
+    "prompt_lookup_min": 1,
+    "cost_aware": False,
+}
 
 
 def scrape(port: int) -> list[tuple[str, dict, float]]:

@@ -11,7 +11,13 @@ from app import LLM, SamplingParams
 from tests.spec.abort import abort_one_of_two
 
 PROMPTS = [[5, 17, 42, 99, 3, 250, 7], [7, 8, 9, 7, 8, 9, 7, 8], list(range(10, 40))]
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+# cost_aware off: wall-clock decisions would make these tests depend on the machine
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 4,
+    "prompt_lookup_min": 1,
+    "cost_aware": False,
+}
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 BLOCK_BYTES = 16 * 2 * 2 * 2 * 16 * 4  # tokens x layers x K/V x kv heads x head_dim x fp32
 

@@ -20,7 +20,13 @@ CASES = [  # (request fields, SamplingParams fields beyond the request's)
 ]
 # Its own app name: the metrics test (tests/ops) reads the series of the app "slimserve".
 APP = "slimserve-spec"
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+# cost_aware off: the cost policy could pause speculation on a slow machine
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 3,
+    "prompt_lookup_min": 1,
+    "cost_aware": False,
+}
 
 
 def _served(url: str) -> list[dict]:

@@ -64,6 +64,8 @@ class DraftModelProposer:
         views = {id(v): seq for (v, _), seq in zip(batch, order)}
         seqs = [views[id(v)] for v in sampled if views[id(v)].seq_id in wanted]
         rows = [i for i, v in enumerate(sampled) if views[id(v)].seq_id in wanted]
+        if not rows:  # catch-up only (nothing to draft, e.g. speculation paused)
+            return {}
         tokens = logits[rows].argmax(-1).tolist()
         drafts = [[t] for t in tokens]
         for j in range(1, k):

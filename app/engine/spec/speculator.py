@@ -18,6 +18,7 @@ from app.config import SpeculativeConfig
 from app.engine.block_manager import BlockManager
 from app.engine.request import TokenLogprob
 from app.engine.sequence import Sequence
+from app.engine.spec.cost import CostGovernor
 from app.engine.spec.mtp import Span
 from app.engine.spec.ngram import AcceptanceBackoff, NgramProposer
 from app.engine.spec.sampling import target_tokens
@@ -32,9 +33,11 @@ class SpecStats:
     accepted: int = 0  # of those, accepted
     verify_steps: int = 0  # (sequence, step) pairs that verified at least one proposal
     emitted: int = 0  # tokens those steps produced (accepted + the target's own)
+    cost: CostGovernor | None = None  # the cost policy's counters, when it is on
 
     def as_dict(self) -> dict[str, float]:
         return {
+            **(self.cost.as_dict() if self.cost is not None else {}),
             "spec_proposed_tokens": self.proposed,
             "spec_accepted_tokens": self.accepted,
             "spec_verify_steps": self.verify_steps,
@@ -44,6 +47,15 @@ class SpecStats:
                 self.emitted / self.verify_steps if self.verify_steps else 0.0
             ),
         }
+
+
+@dataclass(slots=True)
+class StepTally:
+    """What the cost policy needs of the current step (see cost.py)."""
+
+    rows: int = 0  # logit rows verified: equals the step's tokens iff it only decoded
+    verified: bool = False  # some sequence verified proposals
+    emitted: int = 0  # tokens the step emitted
 
 
 @dataclass(slots=True)
@@ -60,12 +72,21 @@ class Speculator:
         self.config, self.blocks, self.max_model_len = config, blocks, max_model_len
         self.ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         self.drafter = drafter
-        self.stats = SpecStats()
+        # backoff off: k every step, whatever it costs (tests pin speculation on with it)
+        cost_aware = config.backoff and config.cost_aware
+        self.governor: CostGovernor | None = CostGovernor() if cost_aware else None
+        self.stats = SpecStats(cost=self.governor)
+        self.tally = StepTally()
 
     def propose(self, running: list[Sequence]) -> None:
+        self.tally = StepTally()
+        allowed = True
+        if self.governor is not None:
+            self.governor.start()
+            allowed = self.governor.allow()
         for seq in running:
             seq.spec_tokens = []
-            if not seq.is_decode or not _may_speculate(seq):
+            if not allowed or not seq.is_decode or not _may_speculate(seq):
                 continue
             if seq.spec_state is None:
                 seq.spec_state = SeqSpecState(AcceptanceBackoff(self.config.num_speculative_tokens))
@@ -90,6 +111,8 @@ class Speculator:
 
     def verify(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[Emitted]:
         """logits: [R, V] float32, 1 + len(spec_tokens) rows per sequence, in order."""
+        self.tally.rows = logits.shape[0]
+        self.tally.verified = any(s.spec_tokens for s in seqs)
         target, logprobs = target_tokens(logits, seqs)  # per sequence: k + 1 rows
         k_max = max(len(s.spec_tokens) for s in seqs)
         padded = torch.tensor([t + [0] * (k_max + 1 - len(t)) for t in target])
@@ -119,6 +142,7 @@ class Speculator:
         """After the emitted tokens were appended: the accepted proposals' KV is the
         sequence's; blocks that held only rejected slots go back to the pool."""
         seq.num_computed_tokens += num_emitted - 1
+        self.tally.emitted += num_emitted
         seq.spec_tokens = []
         self.blocks.commit_full_blocks(seq)
         need = self.blocks.blocks_for(seq.num_tokens)
@@ -128,9 +152,15 @@ class Speculator:
 
     def after_step(self, scheduled: list, starts: list[int], hidden) -> None:
         """Model proposers draft for the next step from this step's hidden states [T, H]
-        (scheduled: the step's (sequence, new tokens); starts: computed tokens before)."""
-        if self.drafter is None:
-            return
+        (scheduled: the step's (sequence, new tokens); starts: computed tokens before).
+        Then the step's cost goes to the cost policy, if it only decoded."""
+        if self.drafter is not None:
+            self._draft(scheduled, starts, hidden)
+        tally = self.tally
+        if self.governor is not None and tally.rows == sum(n for _, n in scheduled):
+            self.governor.finish(tally.verified, tally.emitted)
+
+    def _draft(self, scheduled: list, starts: list[int], hidden) -> None:
         spans, rows, row = [], [], 0
         for (seq, n), start in zip(scheduled, starts):
             if not seq.finished and _may_speculate(seq):  # finished: its blocks are gone
@@ -142,7 +172,9 @@ class Speculator:
             if seq.spec_state is None:
                 seq.spec_state = SeqSpecState(AcceptanceBackoff(self.config.num_speculative_tokens))
         k = self.config.num_speculative_tokens
-        drafts = self.drafter.after_step(spans, hidden, rows, draft, k)
+        # While the cost policy holds speculation back, only catch up (no drafts to pay for).
+        drafting = draft if self.governor is None or self.governor.allow() else []
+        drafts = self.drafter.after_step(spans, hidden, rows, drafting, k)
         for seq in draft:
             seq.spec_state.drafts = drafts.get(seq.seq_id, [])
 
