@@ -2,23 +2,33 @@
 
 Llama-3-8B-sized FP8 chunks (L=32, Hkv=8, D=128, 256 tokens: 16.9 MB each), on one node:
 
-    encode   KVChunk.from_tensors: copy out of the KV tensor, the xxh3 tag in the same pass
+    encode   the chunk codec (as kv_transfer.encode_chunks calls it): copy out of the KV
+             tensor into the wire buffer
     publish  into the KV store actor (app/kvstore: the store owns the objects)
     fetch    fetch_verified(verify_tag=False): object refs + framing/header/key/token checks
-    import   kv_transfer.write_import into a paged KVCache: the tag checked layer by layer
-             with the cache write (the first pass over the fetched bytes, as on a replica)
+    import   kv_transfer.write_import into a paged KVCache (the first pass over the bytes)
+
+Two ways of computing the xxh3 tag, side by side in one run:
+
+    same_pass   the tag fed layer by layer in the same pass as each copy, on the copying
+                thread (before; still what tensor-parallel replicas do)
+    overlapped  each chunk's tag hashed on a second thread (the transfer worker's tagger)
+                while the copying thread moves on (xxh3 releases the GIL)
 
 integrity = (encode with tag - encode without) + (import with tag check - without), the
-two "without" runs being the same code with a hasher that does nothing, both measured on
-warm memory (so the difference is the hashing, not page faults); share = integrity /
-(encode + publish + fetch + import). For comparison, the check as a pass of its own
-(KVChunk.verify_tag over the fetched payloads, as fetch_verified did before) is measured
-too, with the share bench/serve.py reported (verify / (publish + fetch + verify)).
+"without" runs being the same code with no hashing, on warm memory (so the difference is
+the hashing, not page faults); share = integrity / (encode + publish + fetch + import, the
+import on a fresh cache). Every in-process stage is timed on three clocks: the copying
+thread's CPU time (the previous method: for same_pass it is all the hashing work; an
+oversubscribed box does not inflate it), wall time (what a transfer waits for), and the
+whole process's CPU time (all threads: the hashing work wherever it runs). Publish and
+fetch cross processes and are wall time. The check as a pass of its own (as fetch_verified
+did once) is measured too (verify / (publish + fetch + verify)).
 
-    python bench/kv_transfer.py [--chunks 8] [--repeats 5] [--clock cpu|wall]
+    python bench/kv_transfer.py [--chunks 8] [--repeats 7]
 
-Writes bench/results/kv_transfer.json (--clock wall: kv_transfer_wall.json). Shares from
-the per-stage minimum over repeats (medians too); every repeat publishes and fetches afresh.
+Writes bench/results/kv_transfer.json. Shares from the per-stage minimum over repeats
+(medians too); every repeat publishes and fetches afresh.
 """
 
 from __future__ import annotations
@@ -30,154 +40,146 @@ import os
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import write_json  # noqa: E402
 
 L, HKV, D, TOKENS, BLOCK = 32, 8, 128, 256, 16
+CLOCKS = {"thread": time.thread_time, "wall": time.perf_counter, "process": time.process_time}
+MODES = ("same_pass", "overlapped")
 
 
-class _NoHash:
-    """A tag hasher that hashes nothing: the same code path minus the hashing."""
-
-    def update(self, _data) -> None:
-        pass
-
-    def intdigest(self) -> int:
-        return 0
-
-
-# In-process stages (encode, import, verify) are timed with this clock: the thread's CPU
-# time by default, which a shared, oversubscribed box does not inflate (waiting for a core
-# or the GIL is not counted); --clock wall for wall time. Publish and fetch cross processes
-# (the store actor) and are always wall time.
-CLOCK = time.thread_time
-
-
-def _timed(fn) -> float:
-    t = CLOCK()
+def _timed(fn) -> dict[str, float]:
+    """fn's duration on every clock."""
+    start = {name: clock() for name, clock in CLOCKS.items()}
     fn()
-    return CLOCK() - t
+    return {name: clock() - start[name] for name, clock in CLOCKS.items()}
 
 
-def _chunks(n: int, layout: str):
+def _fmt(layout: str):
+    from app.kv.chunk_format import ChunkFormat
+
+    return ChunkFormat.from_layout("bench", "fp8_e4m3", layout, TOKENS)
+
+
+def _kv(n: int):
     import torch
 
-    from app.kv.chunk import ChunkMeta
-
-    metas, tensors = [], []
-    for i in range(n):
-        ids = tuple(range(i * TOKENS, (i + 1) * TOKENS))
-        metas.append(ChunkMeta("bench", "fp8_e4m3", layout, ids, i * TOKENS, bytes([i]) * 16))
-        kv = torch.randn(L, 2, TOKENS, HKV, D).to(torch.float8_e4m3fn)
-        tensors.append((kv, torch.randint(-8, 4, (L, 2, TOKENS, HKV), dtype=torch.int8)))
-    return metas, tensors
+    kv = torch.randn(L, 2, n * TOKENS, HKV, D).to(torch.float8_e4m3fn)
+    return kv, torch.randint(-8, 4, (L, 2, n * TOKENS, HKV), dtype=torch.int8)
 
 
-def encode(metas, tensors, tagged: bool):
-    """(seconds, chunks): from_tensors, or its fill with a no-op hasher."""
+def parts(fmt, prompt, kv) -> tuple[list, dict[str, float]]:
+    """The (meta, kv, scales) of each chunk, as encode_chunks makes them, and the time of
+    its chunk keys and BLAKE2b prefix digests (app/kv/keys.py), reported beside the tag."""
+    from app.kv.keys import chunk_hash
+
+    out, parent = [], None
+
+    def make():
+        nonlocal parent
+        for start in range(0, len(prompt), TOKENS):
+            tokens = tuple(prompt[start : start + TOKENS])
+            h = chunk_hash(parent, tokens, b"salt", BLOCK, True)
+            sl = slice(start, start + TOKENS)
+            out.append((fmt.meta(tokens, start, h, parent), kv[0][:, :, sl], kv[1][:, :, sl]))
+            parent = h
+
+    return out, _timed(make)
+
+
+def encode(chunk_parts, mode: str | None, tagger):
+    """(times, chunks): the chunk codec as encode_chunks calls it (same_pass:
+    KVChunk.from_tensors; overlapped: from_tensors_overlapped on the tagger); mode None:
+    the same copies into the same buffers with no hashing at all."""
     from app.kv import chunk as codec
 
-    if tagged:
-        out = []
-        s = _timed(
-            lambda: out.extend(codec.KVChunk.from_tensors(m, *t) for m, t in zip(metas, tensors))
-        )
-        return s, out
-
-    def untagged():
-        for m, (kv, sc) in zip(metas, tensors):
-            framing = codec.pack_framing(m, m.payload_len())
-            wire = bytearray(len(framing) + m.payload_len())
-            wire[: len(framing)] = framing
-            codec._fill(memoryview(wire)[len(framing) :], kv, sc, _NoHash())
-
-    return _timed(untagged), None
+    if mode is None:
+        return _timed(lambda: [codec._wire(*part, None) for part in chunk_parts]), None
+    got = []
+    if mode == "overlapped":
+        t = _timed(lambda: got.extend(codec.KVChunk.from_tensors_overlapped(chunk_parts, tagger)))
+    else:
+        t = _timed(lambda: got.extend(codec.KVChunk.from_tensors(*part) for part in chunk_parts))
+    return t, got
 
 
-def import_into(cache, chunks, check: bool) -> float:
-    """write_import of every chunk into fresh blocks (check=False: the no-op hasher)."""
+def import_into(cache, fmt, chunks, mode: str | None, tagger) -> dict[str, float]:
+    """write_import of every chunk into fresh blocks; mode None: marked verified, so the
+    same writes run with no tag check."""
     from app.engine import kv_transfer
     from app.engine.block_manager import ImportHold
-    from app.kv.chunk_format import ChunkFormat
 
     blocks = list(range(len(chunks) * TOKENS // BLOCK))
     hold = ImportHold(blocks, [None] * len(blocks), list(blocks))
-    fmt = ChunkFormat("bench", cache.spec, TOKENS)
-    if not check:
-        chunks = [_unhashed(c) for c in chunks]
-    return _timed(lambda: kv_transfer.write_import(cache, fmt, chunks, hold))
+    if mode is None:
+        chunks = [dataclasses.replace(c, verified=True) for c in chunks]
+    pool = tagger if mode == "overlapped" else None
+    return _timed(lambda: kv_transfer.write_import(cache, fmt, chunks, hold, pool))
 
 
-def _unhashed(chunk):
-    """The chunk as unverified, with a hasher that hashes nothing (so check_tag passes)."""
-
-    class Unhashed(type(chunk)):
-        __slots__ = ()
-
-        def tag_hasher(self):
-            return _NoHash()
-
-        def check_tag(self, computed: int) -> None:
-            pass
-
-    return Unhashed(**{f.name: getattr(chunk, f.name) for f in dataclasses.fields(chunk)})
-
-
-def one_repeat(client, metas, tensors, cache, layout: str, prompt) -> dict:
-    from app.kv.chunk_format import ChunkFormat
+def one_repeat(client, fmt, chunk_parts, new_cache, prompt, tagger) -> dict:
     from app.kvstore.transfer import fetch_verified, publish
 
-    enc, chunks = {True: [], False: []}, None
-    for tagged in (True, False, False, True, True, False):  # alternate, least disturbed
-        seconds, out = encode(metas, tensors, tagged)
-        enc[tagged].append(seconds)
+    enc: dict = {m: [] for m in (*MODES, None)}
+    chunks = None
+    for mode in (*MODES, None, None, *MODES[::-1], None):  # alternate: none always first
+        t, out = encode(chunk_parts, mode, tagger)
+        enc[mode].append(t)
         chunks = out or chunks
     t = time.perf_counter()
     stored = asyncio.run(publish(client, chunks))
     publish_s = time.perf_counter() - t
-    expect = ChunkFormat.from_layout("bench", "fp8_e4m3", layout, TOKENS)
     t = time.perf_counter()
-    got = asyncio.run(fetch_verified(client, stored, expect, prompt, verify_tag=False))
+    got = asyncio.run(fetch_verified(client, stored, fmt, prompt, verify_tag=False))
     fetch_s = time.perf_counter() - t
     assert not got.failures and not any(c.verified for c in got.chunks)
-    import_cold = import_into(cache, got.chunks, check=True)  # first touch, as a replica
-    warm = {True: [], False: []}
-    for check in (False, True, True, False):  # alternate: neither always goes first
-        warm[check].append(import_into(cache, got.chunks, check))
-    serial_verify = _timed(lambda: [c.verify_tag() for c in got.chunks])
+    cold = {m: import_into(new_cache(), fmt, got.chunks, m, tagger) for m in MODES}
+    warm: dict = {m: [] for m in (*MODES, None)}
+    cache = new_cache()
+    import_into(cache, fmt, got.chunks, None, tagger)  # first touch
+    for mode in (None, *MODES, *MODES[::-1], None):
+        warm[mode].append(import_into(cache, fmt, got.chunks, mode, tagger))
+    serial = _timed(lambda: [c.verify_tag() for c in got.chunks])
     asyncio.run(_drop_all(client, stored))
-    return {
-        "encode_s": min(enc[True]),
-        "encode_untagged_s": min(enc[False]),
-        "publish_s": publish_s,
-        "fetch_s": fetch_s,
-        "import_s": import_cold,
-        "import_warm_checked_s": min(warm[True]),
-        "import_warm_unchecked_s": min(warm[False]),
-        "serial_verify_s": serial_verify,
-    }
+    out = {"publish_s": publish_s, "fetch_s": fetch_s}
+    for clock in CLOCKS:
+        out[f"encode_untagged_{clock}_s"] = min(r[clock] for r in enc[None])
+        out[f"import_unchecked_{clock}_s"] = min(r[clock] for r in warm[None])
+        out[f"serial_verify_{clock}_s"] = serial[clock]
+        for m in MODES:
+            out[f"encode_{m}_{clock}_s"] = min(r[clock] for r in enc[m])
+            out[f"import_cold_{m}_{clock}_s"] = cold[m][clock]
+            out[f"import_{m}_{clock}_s"] = min(r[clock] for r in warm[m])
+    return out
 
 
 async def _drop_all(client, stored) -> None:
     await asyncio.gather(*(client.drop(s.key, "evict") for s in stored))
 
 
-def shares(t: dict) -> dict:
-    """Integrity cost and shares from one set of stage times (seconds)."""
-    tag_encode = max(0.0, t["encode_s"] - t["encode_untagged_s"])
-    tag_import = max(0.0, t["import_warm_checked_s"] - t["import_warm_unchecked_s"])
-    transfer = t["encode_s"] + t["publish_s"] + t["fetch_s"] + t["import_s"]
-    serial = t["serial_verify_s"]
+def shares(t: dict, mode: str, clock: str) -> dict:
+    """Integrity cost and share of one mode on one clock, from one set of stage times."""
+    tag_encode = max(0.0, t[f"encode_{mode}_{clock}_s"] - t[f"encode_untagged_{clock}_s"])
+    tag_import = max(0.0, t[f"import_{mode}_{clock}_s"] - t[f"import_unchecked_{clock}_s"])
+    transfer = t[f"encode_{mode}_{clock}_s"] + t["publish_s"] + t["fetch_s"]
+    transfer += t[f"import_cold_{mode}_{clock}_s"]
     return {
         "integrity_s": tag_encode + tag_import,
         "integrity_encode_s": tag_encode,
         "integrity_import_s": tag_import,
         "transfer_s": transfer,
         "integrity_share": (tag_encode + tag_import) / transfer,
-        "separate_pass_share": serial / (t["publish_s"] + t["fetch_s"] + serial),
     }
+
+
+def all_shares(t: dict) -> dict:
+    out = {f"{m}/{c}": shares(t, m, c) for m in MODES for c in CLOCKS}
+    serial = t["serial_verify_thread_s"]
+    out["separate_pass_share"] = serial / (t["publish_s"] + t["fetch_s"] + serial)
+    return out
 
 
 def summarize(runs: list[dict], chunk_bytes: int, num_chunks: int) -> dict:
@@ -192,8 +194,8 @@ def summarize(runs: list[dict], chunk_bytes: int, num_chunks: int) -> dict:
         "repeats": len(runs),
         "min_s": best,
         "median_s": med,
-        **shares(best),
-        "from_medians": shares(med),
+        "shares": all_shares(best),
+        "shares_from_medians": all_shares(med),
         "runs": runs,
     }
 
@@ -201,44 +203,53 @@ def summarize(runs: list[dict], chunk_bytes: int, num_chunks: int) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--chunks", type=int, default=8)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--clock", choices=["cpu", "wall"], default="cpu")
+    p.add_argument("--repeats", type=int, default=7)
     a = p.parse_args()
-    global CLOCK
-    CLOCK = time.thread_time if a.clock == "cpu" else time.perf_counter
     import ray
     import torch
 
     from app.engine.kv_cache import KVCache
-    from app.kv.layout import KVCacheSpec, KVLayout
+    from app.kv.layout import KVCacheSpec
     from app.kvstore.store import KVStoreClient, create_store
 
     torch.set_num_threads(1)
-    layout = str(KVLayout(L, HKV, D, BLOCK))
-    metas, tensors = _chunks(a.chunks, layout)
     spec = KVCacheSpec(L, HKV, D, BLOCK, "fp8_e4m3")
-    cache = KVCache(spec, a.chunks * TOKENS // BLOCK, "cpu")
-    prompt = list(range(a.chunks * TOKENS))
+    fmt, prompt = _fmt(spec.layout), list(range(a.chunks * TOKENS))
+    chunk_parts, digests = parts(fmt, prompt, _kv(a.chunks))
+    new_cache = lambda: KVCache(spec, a.chunks * TOKENS // BLOCK, "cpu")  # noqa: E731
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         client = KVStoreClient(create_store(4 << 30))
         ray.get(client.shards[0].stats.remote())  # actor start-up is not transfer time
-        runs = [one_repeat(client, metas, tensors, cache, layout, prompt) for _ in range(a.repeats)]
-        chunk_bytes = metas[0].payload_len()
+        with ThreadPoolExecutor(1, thread_name_prefix="kv-tag") as tagger:
+            runs = [
+                one_repeat(client, fmt, chunk_parts, new_cache, prompt, tagger)
+                for _ in range(a.repeats)
+            ]
     finally:
         ray.shutdown()
-    result = {"clock": a.clock, **summarize(runs, chunk_bytes, a.chunks)}
-    path = write_json("kv_transfer" if a.clock == "cpu" else "kv_transfer_wall", result)
-    print(f"{'stage':<28}{'min ms':>10}{'median ms':>11}")
-    for k, v in result["min_s"].items():
-        print(f"{k:<28}{v * 1e3:>10.2f}{result['median_s'][k] * 1e3:>11.2f}")
-    med = result["from_medians"]
-    print(
-        f"integrity share {result['integrity_share']:.2%} (medians {med['integrity_share']:.2%});"
-        f" as a separate pass {result['separate_pass_share']:.2%}"
-        f" (medians {med['separate_pass_share']:.2%}) -> {path}"
-    )
+    result = summarize(runs, fmt.spec.bytes_per_token() * TOKENS, a.chunks)
+    result["keys_and_prefix_digests_s"] = digests  # per side; not in the tag's share
+    path = write_json("kv_transfer", result)
+    _print(result)
+    print(f"-> {path}")
     return 0
+
+
+def _print(result: dict) -> None:
+    print(f"{'stage':<36}{'min ms':>10}{'median ms':>11}")
+    for k, v in result["min_s"].items():
+        print(f"{k:<36}{v * 1e3:>10.2f}{result['median_s'][k] * 1e3:>11.2f}")
+    med = result["shares_from_medians"]
+    for key, s in result["shares"].items():
+        if key == "separate_pass_share":
+            print(f"{key:<36}{s:>10.2%}{med[key]:>11.2%}")
+            continue
+        print(
+            f"{key:<22} integrity {s['integrity_s'] * 1e3:6.2f} ms of "
+            f"{s['transfer_s'] * 1e3:7.2f} ms = {s['integrity_share']:6.2%}"
+            f" (medians {med[key]['integrity_share']:6.2%})"
+        )
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ its last block; a partial chunk's is next_hash(previous chunk's hash, its tokens
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Executor, Future
 
 import torch
 
@@ -26,6 +27,7 @@ from app.engine.kv_cache import KVCache
 from app.kv.chunk import ChunkIntegrityError, ChunkMismatchError, KVChunk
 from app.kv.chunk_format import ChunkFormat
 from app.kv.keys import BlockHash, chain_hashes, chunk_hash, next_hash
+from app.kv.tagging import ThreadedTag
 
 log = logging.getLogger(__name__)
 
@@ -59,33 +61,60 @@ def plan_import(
 
 
 def write_import(
-    cache: KVCache, fmt: ChunkFormat, chunks: list[KVChunk], hold
+    cache: KVCache, fmt: ChunkFormat, chunks: list[KVChunk], hold, tagger: Executor | None = None
 ) -> tuple[int, list[tuple[bytes, str]]]:
     """Writes the hold's fresh blocks from chunks (the transfer worker's half of an import;
     hold: block_manager.ImportHold over chunks' whole blocks, in order).
 
     A chunk decoded without its tag check (``verified`` False) is checked here, in the same
-    pass as the write. Returns (blocks of the hold that are valid: all, or those before the
-    first chunk whose tag does not match its bytes; [(key, why)] of that chunk)."""
-    bs, first, fresh = fmt.spec.block_size, 0, set(hold.fresh)
+    pass as the write: hashed on this thread, or on ``tagger`` (a one-thread executor)
+    beside the writes. Either way nothing is findable before the check: the caller commits only the
+    valid blocks. Returns (blocks of the hold that are valid: all, or those before the first
+    chunk whose tag does not match its bytes; [(key, why)] of that chunk)."""
+    bs, first, fresh, bad = fmt.spec.block_size, 0, set(hold.fresh), None
+    starts, tags = [], []  # tags: the tagger's Future per chunk (None: checked here / no need)
     for chunk in chunks:
+        starts.append(first)
         mine = range(first, min(first + chunk.meta.num_tokens // bs, hold.num_blocks))
         todo = [i - first for i in mine if i in fresh]  # block offsets inside the chunk
+        tag = None
         try:
             if todo:
-                _write_chunk(cache, chunk, todo, [hold.block_ids[first + j] for j in todo], bs)
+                ids = [hold.block_ids[first + j] for j in todo]
+                tag = _write_chunk(cache, chunk, todo, ids, bs, tagger)
             elif not chunk.verified:  # not needed here, but a damaged chunk must be reported
-                chunk.verify_tag()  # (and dropped from the store) by whoever fetched it
+                # (and dropped from the store) by whoever fetched it
+                tag = tagger.submit(chunk.content_tag) if tagger else chunk.verify_tag()
         except ChunkIntegrityError as e:
-            log.warning("kv_import stopped at token %d: %s", first * bs, e)
-            return min(first, hold.num_blocks), [(chunk.key or b"", str(e))]
+            bad = (len(starts) - 1, e)
+            break
+        tags.append(tag)
         first += chunk.meta.num_tokens // bs
-    return hold.num_blocks, []
+    if bad is None:  # the tagger's tags, in chunk order: the first mismatch
+        bad = _first_mismatch(chunks[: len(starts)], tags)
+    if bad is None:
+        return hold.num_blocks, []
+    i, e = bad
+    log.warning("kv_import stopped at token %d: %s", starts[i] * bs, e)
+    return min(starts[i], hold.num_blocks), [(chunks[i].key or b"", str(e))]
 
 
-def _write_chunk(cache: KVCache, chunk: KVChunk, todo: list[int], ids: list[int], bs: int):
-    """Writes the chunk's blocks todo (offsets) into cache blocks ids; checks the tag first
-    if the chunk is unverified (layer by layer, right before each layer's write)."""
+def _first_mismatch(chunks: list[KVChunk], tags: list) -> tuple[int, Exception] | None:
+    for i, (chunk, tag) in enumerate(zip(chunks, tags)):
+        try:
+            if tag is not None:
+                chunk.check_tag(tag.result())
+        except ChunkIntegrityError as e:
+            return i, e
+    return None
+
+
+def _write_chunk(
+    cache: KVCache, chunk: KVChunk, todo: list[int], ids: list[int], bs: int, tagger
+) -> Future | None:
+    """Writes the chunk's blocks todo (offsets) into cache blocks ids. An unverified chunk's
+    tag is fed each layer right after that layer's write (its bytes are still in cache):
+    hashed here and checked at the end, or hashed on tagger (its tag's Future returned)."""
     kv, scales = chunk.to_tensors()  # kv: [L, P, n, Hkv, D], CPU views of the payload
     if not cache.layer_writes:  # a TP shard: verify, then write_tokens splits the heads
         if not chunk.verified:
@@ -95,19 +124,26 @@ def _write_chunk(cache: KVCache, chunk: KVChunk, todo: list[int], ids: list[int]
             cache.write_tokens(
                 [block_id], kv[:, :, sl], None if scales is None else scales[:, :, sl]
             )
-        return
-    hasher = None if chunk.verified else chunk.tag_hasher()
+        return None
+    hasher = None
+    if not chunk.verified:
+        hasher = chunk.tag_hasher() if tagger is None else ThreadedTag(chunk.tag_hasher(), tagger)
     per_layer = kv[0].numel() * kv.element_size()  # payload: kv layer by layer, then scales
     pairs = list(zip(todo, ids))
     for layer in range(kv.shape[0]):
-        if hasher is not None:
-            hasher.update(chunk.payload[layer * per_layer : (layer + 1) * per_layer])
+        piece = chunk.payload[layer * per_layer : (layer + 1) * per_layer]
         sc = None if scales is None else scales[layer]
         cache.write_layer_blocks(layer, pairs, kv[layer], sc)
-    if hasher is not None:
-        if scales is not None:
-            hasher.update(chunk.payload[kv.numel() * kv.element_size() :])
-        chunk.check_tag(hasher.intdigest())
+        if hasher is not None:
+            hasher.update(piece)  # just read by the write: still in cache
+    if hasher is None:
+        return None
+    if scales is not None:
+        hasher.update(chunk.payload[kv.numel() * kv.element_size() :])
+    if tagger is not None:
+        return hasher.finish()
+    chunk.check_tag(hasher.intdigest())
+    return None
 
 
 def _verified_hashes(
@@ -138,17 +174,24 @@ def export_chunks(
 
 
 def encode_chunks(
-    fmt: ChunkFormat, token_ids: list[int], kv: torch.Tensor, scales, salt: bytes
+    fmt: ChunkFormat,
+    token_ids: list[int],
+    kv: torch.Tensor,
+    scales,
+    salt: bytes,
+    tagger: Executor | None = None,
 ) -> list[KVChunk]:
-    """kv [L, P, n, Hkv, D] (scales [L, P, n, Hkv] or None) of token_ids -> chunks."""
+    """kv [L, P, n, Hkv, D] (scales [L, P, n, Hkv] or None) of token_ids -> chunks, each
+    tagged on ``tagger`` while the next is copied (or else in the same pass as its copy)."""
     n, ct = len(token_ids), fmt.chunk_tokens
-    chunks, parent = [], None
+    parts, parent = [], None
     for start in range(0, n, ct):
         end = min(start + ct, n)
         tokens = tuple(token_ids[start:end])
         h = chunk_hash(parent, tokens, salt, fmt.spec.block_size, fmt.is_full(len(tokens)))
-        meta = fmt.meta(tokens, start, h, parent)
         sc = None if scales is None else scales[:, :, start:end]
-        chunks.append(KVChunk.from_tensors(meta, kv[:, :, start:end], sc))
+        parts.append((fmt.meta(tokens, start, h, parent), kv[:, :, start:end], sc))
         parent = h
-    return chunks
+    if tagger is not None:
+        return KVChunk.from_tensors_overlapped(parts, tagger)
+    return [KVChunk.from_tensors(*part) for part in parts]

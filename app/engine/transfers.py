@@ -20,7 +20,9 @@ On CUDA the step records an event on the compute stream when it hands a job over
 stream waits for it (the KV it reads is written, the blocks it writes are no longer read),
 and an import's own event is waited on by the compute stream before the blocks are used.
 Tensor-parallel replicas (``inline``) run jobs on the step thread: their cache I/O is a
-collective with the worker ranks and must stay ordered with the steps.
+collective with the worker ranks and must stay ordered with the steps. On CUDA the worker
+hands the chunk tags (xxh3) to a second thread that hashes beside its copies; otherwise each
+tag is hashed in the same pass as its copy.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import dataclasses
 import logging
 import queue
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,6 +91,10 @@ class Transfers:
         self._signal = threading.Event()
         self._thread: threading.Thread | None = None
         self._stream = None
+        # GPU replicas hash chunk tags on a second thread beside the worker's copies (xxh3
+        # releases the GIL); CPU replicas hash in the same pass as each copy, which measured
+        # cheaper there (bench/kv_transfer.py; docs/kv_transfer.md, "What it costs").
+        self._tagger: ThreadPoolExecutor | None = None
 
     @property
     def busy(self) -> bool:
@@ -166,6 +173,8 @@ class Transfers:
         if thread is not None:
             self._todo.put(None)
             thread.join(timeout=5)
+        if self._tagger is not None:
+            self._tagger.shutdown(wait=False)
 
     def _event(self):
         if not self.cuda:
@@ -182,6 +191,8 @@ class Transfers:
         if self._thread is None:
             if self.cuda:
                 self._stream = torch.cuda.Stream(self.cache.kv.device)
+            if self.cuda:
+                self._tagger = ThreadPoolExecutor(1, thread_name_prefix="kv-tag")
             self._thread = threading.Thread(target=self._loop, name="kv-transfer", daemon=True)
             self._thread.start()
         self._todo.put(job)
@@ -209,8 +220,8 @@ class Transfers:
             kv, scales = self.cache.read_tokens(job.block_ids, len(job.token_ids))
             if kv.device.type != "cpu":  # the chunk payload is host memory
                 kv, scales = kv.cpu(), None if scales is None else scales.cpu()
-            return encode_chunks(self.fmt, job.token_ids, kv, scales, job.salt)
-        num_valid, rejected = write_import(self.cache, self.fmt, job.chunks, job.hold)
+            return encode_chunks(self.fmt, job.token_ids, kv, scales, job.salt, self._tagger)
+        num_valid, rejected = write_import(self.cache, self.fmt, job.chunks, job.hold, self._tagger)
         written = None
         if self._stream is not None:
             written = torch.cuda.Event()

@@ -10,6 +10,8 @@ latent + RoPE key, Hkv = 1). Readers call :meth:`KVChunk.decode` with what they 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterable
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 import msgpack
@@ -32,6 +34,7 @@ from app.kv.chunk_header import (
     tag_hasher,
 )
 from app.kv.dtypes import kv_dtype
+from app.kv.tagging import ThreadedTag
 
 __all__ = ["ChunkError", "ChunkIntegrityError", "ChunkMeta", "ChunkMismatchError", "KVChunk"]
 
@@ -63,28 +66,30 @@ class KVChunk:
     def from_tensors(
         cls, meta: ChunkMeta, kv: torch.Tensor, scales: torch.Tensor | None = None
     ) -> KVChunk:
-        """kv: [L, P, n, Hkv, D] in the dtype's storage; scales: [L, P, n, Hkv] (FP8 only)."""
-        dtype = kv_dtype(meta.kv_dtype)
-        kv_shape, scale_shape = meta.shapes()
-        if tuple(kv.shape) != kv_shape or kv.dtype != dtype.storage:
-            raise ValueError(
-                f"kv is {tuple(kv.shape)} {kv.dtype}; chunk expects {kv_shape} {dtype.storage}"
-            )
-        if scale_shape is None and scales is not None:
-            raise ValueError(f"{meta.kv_dtype} chunks carry no scales")
-        if scale_shape is not None and (
-            scales is None or tuple(scales.shape) != scale_shape or scales.dtype != dtype.scale
-        ):
-            got = None if scales is None else (tuple(scales.shape), scales.dtype)
-            raise ValueError(f"{dtype.name} chunk needs {dtype.scale} scales {scale_shape}: {got}")
-        framing = pack_framing(meta, meta.payload_len())
-        wire = bytearray(len(framing) + meta.payload_len())  # the one copy out of the cache
-        wire[: len(framing)] = framing
-        payload = memoryview(wire)[len(framing) :]
-        hasher = tag_hasher(meta, len(payload))
-        _fill(payload, kv, scales, hasher)  # the tag in the same pass as the copy
-        tag = hasher.intdigest()
-        TAG_SLOT.pack_into(wire, len(framing) - TAG_SLOT.size, tag)
+        """kv: [L, P, n, Hkv, D] in the dtype's storage; scales: [L, P, n, Hkv] (FP8 only).
+        The tag is computed in the same pass as the copy, on this thread."""
+        hasher = tag_hasher(meta, meta.payload_len())
+        wire, payload = _wire(meta, kv, scales, hasher)
+        return cls._sealed(meta, wire, payload, hasher.intdigest())
+
+    @classmethod
+    def from_tensors_overlapped(
+        cls, parts: Iterable[tuple[ChunkMeta, torch.Tensor, torch.Tensor | None]], tagger: Executor
+    ) -> list[KVChunk]:
+        """Chunks of (meta, kv, scales) parts whose tags ``tagger`` (a one-thread executor)
+        hashes beside the copies, a few MB behind them (app/kv/tagging.py): the caller waits
+        only for the last piece. Every tag still covers the whole header and payload, read
+        from the very buffer that goes on the wire."""
+        pending = []
+        for meta, kv, scales in parts:
+            tag = ThreadedTag(tag_hasher(meta, meta.payload_len()), tagger)
+            wire, payload = _wire(meta, kv, scales, tag)
+            pending.append((meta, wire, payload, tag.finish()))
+        return [cls._sealed(m, wire, p, tag.result()) for m, wire, p, tag in pending]
+
+    @classmethod
+    def _sealed(cls, meta: ChunkMeta, wire: bytearray, payload: memoryview, tag: int) -> KVChunk:
+        TAG_SLOT.pack_into(wire, len(wire) - len(payload) - TAG_SLOT.size, tag)
         return cls(meta, payload, tag, wire)
 
     def to_tensors(self) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -122,9 +127,13 @@ class KVChunk:
                 f"content hashes to {computed:#018x}"
             )
 
+    def content_tag(self) -> int:
+        """The tag of this chunk's header and payload as they are now (one pass)."""
+        return compute_tag(self.meta, self.payload)
+
     def verify_tag(self) -> None:
         """The whole-payload tag check (one pass of its own)."""
-        self.check_tag(compute_tag(self.meta, self.payload))
+        self.check_tag(self.content_tag())
 
     @classmethod
     def decode(
@@ -192,9 +201,36 @@ class KVChunk:
 _INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 
 
+def _wire(
+    meta: ChunkMeta, kv: torch.Tensor, scales: torch.Tensor | None, hasher
+) -> tuple[bytearray, memoryview]:
+    """(the encoded chunk with its tag slot unfilled, its payload view); hasher (or None) is
+    fed the payload as it is copied."""
+    dtype = kv_dtype(meta.kv_dtype)
+    kv_shape, scale_shape = meta.shapes()
+    if tuple(kv.shape) != kv_shape or kv.dtype != dtype.storage:
+        raise ValueError(
+            f"kv is {tuple(kv.shape)} {kv.dtype}; chunk expects {kv_shape} {dtype.storage}"
+        )
+    if scale_shape is None and scales is not None:
+        raise ValueError(f"{meta.kv_dtype} chunks carry no scales")
+    if scale_shape is not None and (
+        scales is None or tuple(scales.shape) != scale_shape or scales.dtype != dtype.scale
+    ):
+        got = None if scales is None else (tuple(scales.shape), scales.dtype)
+        raise ValueError(f"{dtype.name} chunk needs {dtype.scale} scales {scale_shape}: {got}")
+    framing = pack_framing(meta, meta.payload_len())
+    wire = bytearray(len(framing) + meta.payload_len())  # the one copy out of the cache
+    wire[: len(framing)] = framing
+    payload = memoryview(wire)[len(framing) :]
+    _fill(payload, kv, scales, hasher)
+    return wire, payload
+
+
 def _fill(payload: memoryview, kv: torch.Tensor, scales, hasher) -> None:
     """Copies kv [L, P, n, Hkv, D] then scales [L, P, n, Hkv] into payload one layer at a
-    time, hashing each layer's bytes right after its copy, while they are still in cache."""
+    time, hashing each layer's bytes (hasher not None) right after its copy, while they are
+    still in cache."""
     off = 0
     for t in (kv,) if scales is None else (kv, scales):
         for layer in t.unbind(0):
@@ -202,7 +238,8 @@ def _fill(payload: memoryview, kv: torch.Tensor, scales, hasher) -> None:
             bits = _INT_OF_WIDTH[layer.element_size()]  # a plain copy (FP8 copy_ is slower)
             dst = _view(payload[off : off + size], torch.uint8).view(bits)
             dst.view(layer.shape).copy_(layer.view(bits))
-            hasher.update(payload[off : off + size])
+            if hasher is not None:
+                hasher.update(payload[off : off + size])
             off += size
 
 

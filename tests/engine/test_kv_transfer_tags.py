@@ -1,0 +1,95 @@
+"""Chunk tags hashed on a second thread (the transfer worker's tagger) give exactly what the
+same-pass tag gives: the same bytes on the wire, the same chunk rejected on import (no model,
+no Ray)."""
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from app.engine.block_manager import ImportHold
+from app.engine.kv_cache import KVCache
+from app.engine.kv_transfer import encode_chunks, write_import
+from app.kv.chunk import KVChunk
+from app.kv.chunk_format import ChunkFormat
+from app.kv.layout import KVCacheSpec
+
+FMT = ChunkFormat("tiny@1", KVCacheSpec(3, 2, 8, 4, "fp8_e4m3"), chunk_tokens=8)
+TOKENS = list(range(100, 124))  # three chunks of 8 tokens, two blocks each
+
+
+@pytest.fixture(scope="module")
+def tagger():
+    with ThreadPoolExecutor(1) as pool:
+        yield pool
+
+
+@pytest.fixture(scope="module")
+def kv():
+    g = torch.Generator().manual_seed(0)
+    kv = (torch.randn(3, 2, 24, 2, 8, generator=g) * 3).to(torch.float8_e4m3fn)
+    return kv, torch.randint(-8, 4, (3, 2, 24, 2), dtype=torch.int8, generator=g)
+
+
+def test_overlapped_encode_is_the_same_pass_encode(kv, tagger):
+    """Seen failing: with tagging._feed skipping each piece's last byte, every wire
+    differed (its tag) and the tagger import cases below failed too."""
+    same_pass = encode_chunks(FMT, TOKENS, *kv, b"salt")
+    overlapped = encode_chunks(FMT, TOKENS, *kv, b"salt", tagger)
+    assert [bytes(c.encode()) for c in overlapped] == [bytes(c.encode()) for c in same_pass]
+    for chunk in overlapped:
+        KVChunk.decode(chunk.encode()).verify_tag()
+
+
+# Offsets into chunk 1's payload: layer 0's first K byte, a V byte of the last layer, the
+# last byte (a scale): any payload byte counts, not only the ones a sample would touch.
+DAMAGE = {"first byte": 0, "last layer": 3 * 2 * 8 * 2 * 8 - 3, "last scale": -1}
+
+
+@pytest.mark.parametrize("where", list(DAMAGE))
+@pytest.mark.parametrize("overlapped", [False, True], ids=["same pass", "tagger"])
+def test_import_rejects_a_flipped_bit_and_keeps_the_chunks_before(kv, tagger, where, overlapped):
+    """Seen failing: with _first_mismatch returning None (tags computed, never compared), the
+    tagger cases kept all 6 blocks and reported nothing; with the tag check dropped from
+    _write_chunk, the same-pass cases did."""
+    chunks = encode_chunks(FMT, TOKENS, *kv, b"salt")
+    wires = [bytearray(c.encode()) for c in chunks]
+    wires[1][len(wires[1]) - chunks[1].nbytes + DAMAGE[where] % chunks[1].nbytes] ^= 0x08
+    offered = [KVChunk.decode(bytes(w), verify_tag=False) for w in wires]
+    cache = KVCache(FMT.spec, 8, "cpu")
+    hold = ImportHold(list(range(6)), [], list(range(6)))
+    valid, rejected = write_import(cache, FMT, offered, hold, tagger if overlapped else None)
+    assert valid == 2  # chunk 0's two blocks
+    ((key, why),) = rejected
+    assert key == chunks[1].key and "tag mismatch" in why
+    want = kv[0][:, :, :8].reshape(3, 2, 2, 4, 2, 8)  # [L, P, blocks, bs, Hkv, D]
+    assert torch.equal(cache.kv[:, :, :2].view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.parametrize("overlapped", [False, True], ids=["same pass", "tagger"])
+def test_undamaged_import_keeps_every_block(kv, tagger, overlapped):
+    chunks = encode_chunks(FMT, TOKENS, *kv, b"salt")
+    offered = [KVChunk.decode(bytes(c.encode()), verify_tag=False) for c in chunks]
+    cache = KVCache(FMT.spec, 8, "cpu")
+    hold = ImportHold(list(range(6)), [], list(range(6)))
+    assert write_import(cache, FMT, offered, hold, tagger if overlapped else None) == (6, [])
+    want = kv[0].reshape(3, 2, 6, 4, 2, 8)
+    assert torch.equal(cache.kv[:, :, :6].view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.parametrize("overlapped", [False, True], ids=["same pass", "tagger"])
+def test_checked_and_cached_chunks_before_a_damaged_one(kv, tagger, overlapped):
+    """Chunk 0 was checked at fetch and its blocks are cached here (nothing to write or
+    check), chunk 1 is damaged, chunk 2 sound: the import keeps chunk 0's blocks only.
+
+    Seen failing (tagger case): with no tag slot kept for chunk 0, chunk 1's tag was
+    compared with chunk 0's header and chunk 0 was rejected (0 valid blocks)."""
+    chunks = encode_chunks(FMT, TOKENS, *kv, b"salt")
+    wires = [bytearray(c.encode()) for c in chunks]
+    wires[1][-1] ^= 0x01
+    offered = [KVChunk.decode(bytes(wires[0]))]
+    offered += [KVChunk.decode(bytes(w), verify_tag=False) for w in wires[1:]]
+    hold = ImportHold(list(range(6)), [], [2, 3, 4, 5])  # blocks 0, 1: cached
+    cache = KVCache(FMT.spec, 8, "cpu")
+    valid, rejected = write_import(cache, FMT, offered, hold, tagger if overlapped else None)
+    assert valid == 2 and [k for k, _ in rejected] == [chunks[1].key]
