@@ -16,6 +16,7 @@ from app.engine.structured.backend import StructuredOutputError, clean_message, 
 
 KINDS = ("json_object", "json_schema", "choice", "regex", "grammar")
 MAX_SOURCE_CHARS = 1 << 20  # a schema or grammar larger than 1 MiB is refused, not compiled
+JSON_SEPARATORS = (", ", ": ")  # item, key-value: as json.dumps prints them
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,8 +87,9 @@ class StructuredOutputSpec:
     def build_grammar(self):
         """The xgrammar Grammar (tokenizer-independent); StructuredOutputError if it is bad.
 
-        JSON is generated compact (no free whitespace between tokens): a model cannot
-        then spend its max_tokens on spaces, and the text is what json.dumps would print.
+        JSON has no free whitespace (a model cannot then spend its max_tokens on spaces)
+        and json.dumps's separators ", " and ": ", named here because xgrammar's default
+        for them changed between 0.2.8 and 0.2.9.
         """
         xgr = xgrammar()
         try:
@@ -95,7 +97,7 @@ class StructuredOutputSpec:
                 source = '{"type": "object"}' if self.kind == "json_object" else self.source
                 strict = self.kind == "json_schema"  # json_object: any properties
                 grammar = xgr.Grammar.from_json_schema(
-                    source, any_whitespace=False, strict_mode=strict
+                    source, any_whitespace=False, separators=JSON_SEPARATORS, strict_mode=strict
                 )
                 return _no_raw_control_chars(xgr, grammar)
             if self.kind == "regex":
