@@ -39,6 +39,12 @@ def cache_operands(k_cache, v_cache, k_scale, v_scale) -> tuple:
     return k_cache, v_cache, k_scale, v_scale
 
 
+def paged_strides(k_cache: torch.Tensor, k_scale: torch.Tensor | None) -> tuple[int, ...]:
+    """The six strides the kernels take for the cache and its scales (block, token, head
+    each); zeros for the scales of a non-FP8 cache."""
+    return (*k_cache.stride()[:3], *(k_scale.stride() if is_fp8(k_cache) else (0, 0, 0)))
+
+
 def check_cache(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens) -> tuple[int, int]:
     """Assert the README's cache contract; returns (Hkv, block_size)."""
     hq, d = q.shape[-2:]
@@ -59,25 +65,12 @@ def check_cache(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens) -
 
 
 @triton.jit
-def _load_paged(
-    cache_ptr,
-    scale_ptr,
-    blk,
-    off,
-    hkv,
-    stride_cb,
-    stride_ct,
-    stride_ch,
-    stride_eb,
-    stride_et,
-    stride_eh,
-    valid,
-    offs_d,
-    dmask,
-    IS_FP8: tl.constexpr,
-):
+def _load_paged(cache_ptr, scale_ptr, blk, off, hkv, strides, valid, offs_d, dmask, IS_FP8):
     """Rows [BLOCK_N, BLOCK_D] of one KV head at the given (block, offset) pairs, and their
-    int8 scale exponents [BLOCK_N] (zeros for a non-FP8 cache). Offsets are int64."""
+    int8 scale exponents [BLOCK_N] (zeros for a non-FP8 cache). Offsets are int64.
+
+    strides: (cache block, token, head; scale block, token, head), as `paged_strides`."""
+    stride_cb, stride_ct, stride_ch, stride_eb, stride_et, stride_eh = strides
     rows = blk * stride_cb + off * stride_ct + hkv * stride_ch  # [BLOCK_N] int64
     x = tl.load(
         cache_ptr + rows[:, None] + offs_d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0
@@ -103,18 +96,10 @@ def kv_tile_update(
     valid,
     mask,
     bt_row_ptr,
-    kc_ptr,
-    vc_ptr,
-    ks_ptr,
-    vs_ptr,
+    cache,
     hkv,
+    strides,
     sm_scale,
-    stride_cb,
-    stride_ct,
-    stride_ch,
-    stride_eb,
-    stride_et,
-    stride_eh,
     offs_d,
     dmask,
     BLOCK_SIZE: tl.constexpr,
@@ -123,29 +108,15 @@ def kv_tile_update(
 ):
     """Online-softmax step of q [BLOCK_M, BLOCK_D] over keys at positions offs_n [BLOCK_N].
 
-    FP8 descale: the K exponent scales score columns (exact, a power of two). The V exponent
-    is split into the tile max (applied to the fp32 product) and a per-key remainder <= 1
-    folded into p, so p stays in [0, 1] and cannot underflow in fp16.
+    cache: (k, v, k scale, v scale) pointers. FP8 descale: the K exponent scales score
+    columns (exact, a power of two). The V exponent is split into the tile max (applied to
+    the fp32 product) and a per-key remainder <= 1 folded into p, so p stays in [0, 1] and
+    cannot underflow in fp16.
     """
+    kc_ptr, vc_ptr, ks_ptr, vs_ptr = cache
     blk = tl.load(bt_row_ptr + offs_n // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
     off = (offs_n % BLOCK_SIZE).to(tl.int64)
-    k, ek = _load_paged(
-        kc_ptr,
-        ks_ptr,
-        blk,
-        off,
-        hkv,
-        stride_cb,
-        stride_ct,
-        stride_ch,
-        stride_eb,
-        stride_et,
-        stride_eh,
-        valid,
-        offs_d,
-        dmask,
-        IS_FP8,
-    )
+    k, ek = _load_paged(kc_ptr, ks_ptr, blk, off, hkv, strides, valid, offs_d, dmask, IS_FP8)
     s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
     if IS_FP8:
         s = s * pow2(ek)[None, :]
@@ -155,23 +126,7 @@ def kv_tile_update(
     alpha = tl.exp(m_i - m_safe)
     p = tl.exp(s - m_safe[:, None])  # [BLOCK_M, BLOCK_N]
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    v, ev = _load_paged(
-        vc_ptr,
-        vs_ptr,
-        blk,
-        off,
-        hkv,
-        stride_cb,
-        stride_ct,
-        stride_ch,
-        stride_eb,
-        stride_et,
-        stride_eh,
-        valid,
-        offs_d,
-        dmask,
-        IS_FP8,
-    )
+    v, ev = _load_paged(vc_ptr, vs_ptr, blk, off, hkv, strides, valid, offs_d, dmask, IS_FP8)
     if IS_FP8:
         ev_max = tl.max(tl.where(valid, ev, -128), axis=0)
         p = p * pow2(tl.maximum(ev - ev_max, -126))[None, :]
@@ -180,3 +135,60 @@ def kv_tile_update(
         pv = pv * pow2(ev_max)
     acc = acc * alpha[:, None] + pv
     return acc, m_new, l_i
+
+
+@triton.jit
+def attend_paged(
+    q,
+    qpos,
+    rmask,
+    start,
+    end,
+    bt_row_ptr,
+    cache,
+    hkv,
+    strides,
+    sm_scale,
+    offs_d,
+    dmask,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    IS_FP8: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Attention of the query rows q [R, BLOCK_D] (rows where rmask) over the keys at
+    positions start..end-1 of one sequence's KV head, BLOCK_N keys at a time.
+
+    CAUSAL: row r sees keys up to its own position qpos[r]; else every row sees them all.
+    Returns (out [R, BLOCK_D] fp32, row max m [R], row sum l [R]); out is 0 where l = 0.
+    """
+    m_i = tl.full([q.shape[0]], float("-inf"), tl.float32)
+    l_i = tl.zeros([q.shape[0]], tl.float32)
+    acc = tl.zeros(q.shape, tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        valid = offs_n < end
+        mask = rmask[:, None] & valid[None, :]
+        if CAUSAL:
+            mask = mask & (offs_n[None, :] <= qpos[:, None])
+        acc, m_i, l_i = kv_tile_update(
+            q,
+            acc,
+            m_i,
+            l_i,
+            offs_n,
+            valid,
+            mask,
+            bt_row_ptr,
+            cache,
+            hkv,
+            strides,
+            sm_scale,
+            offs_d,
+            dmask,
+            BLOCK_SIZE,
+            IS_FP8,
+            PRECISION,
+        )
+    return acc / tl.maximum(l_i, 1e-30)[:, None], m_i, l_i

@@ -13,10 +13,11 @@ import triton
 import triton.language as tl
 
 from slimserve_kernels.attn_common import (
+    attend_paged,
     cache_operands,
     check_cache,
     dot_operands,
-    kv_tile_update,
+    paged_strides,
 )
 from slimserve_kernels.device import num_sms
 from slimserve_kernels.reference import is_fp8
@@ -76,43 +77,13 @@ def _decode_kernel(
     q_ptrs = q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=hmask[:, None] & dmask[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
 
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        valid = offs_n < end
-        # Causal/length mask is per key only: every query row sees all keys < seq_len.
-        mask = hmask[:, None] & valid[None, :]
-        acc, m_i, l_i = kv_tile_update(
-            q,
-            acc,
-            m_i,
-            l_i,
-            offs_n,
-            valid,
-            mask,
-            bt_ptr + b * stride_btb,
-            kc_ptr,
-            vc_ptr,
-            ks_ptr,
-            vs_ptr,
-            hkv,
-            sm_scale,
-            stride_cb,
-            stride_ct,
-            stride_ch,
-            stride_eb,
-            stride_et,
-            stride_eh,
-            offs_d,
-            dmask,
-            BLOCK_SIZE,
-            IS_FP8,
-            PRECISION,
-        )
-
-    out = acc / tl.maximum(l_i, 1e-30)[:, None]  # empty split: l = 0, acc = 0
+    cache = (kc_ptr, vc_ptr, ks_ptr, vs_ptr)
+    strides = (stride_cb, stride_ct, stride_ch, stride_eb, stride_et, stride_eh)
+    # Causal/length mask is per key only: every query row sees all keys < seq_len.
+    bt_row = bt_ptr + b * stride_btb
+    out, m_i, l_i = attend_paged(q, heads, hmask, start, end, bt_row, cache, hkv, strides,
+                                 sm_scale, offs_d, dmask, BLOCK_N, BLOCK_SIZE, IS_FP8,
+                                 CAUSAL=False, PRECISION=PRECISION)  # fmt: skip
     o_ptrs = o_ptr + b * stride_ob + heads[:, None] * stride_oh + split * stride_os
     tl.store(
         o_ptrs + offs_d[None, :],
@@ -191,7 +162,6 @@ def paged_decode_attention(
         num_splits = choose_num_splits(bsz, hkv, max_context, num_sms(q))
     fp8 = is_fp8(k_cache)
     ops = cache_operands(k_cache, v_cache, k_scale, v_scale)
-    es = k_scale.stride() if fp8 else (0, 0, 0)
     out = torch.empty_like(q)
     q, precision = dot_operands(q, k_cache)
     if num_splits > 1:
@@ -210,8 +180,7 @@ def paged_decode_attention(
         sm_scale,
         q.stride(0),
         q.stride(1),
-        *k_cache.stride()[:3],
-        *es,
+        *paged_strides(k_cache, k_scale),
         block_tables.stride(0),
         part.stride(0),
         part.stride(1),

@@ -12,7 +12,13 @@ import torch
 import triton
 import triton.language as tl
 
-from slimserve_kernels.attn_common import cache_operands, check_cache, dot_operands, kv_tile_update
+from slimserve_kernels.attn_common import (
+    attend_paged,
+    cache_operands,
+    check_cache,
+    dot_operands,
+    paged_strides,
+)
 from slimserve_kernels.reference import is_fp8
 
 
@@ -64,42 +70,13 @@ def _prefill_kernel(
         q_ptrs = q_ptr + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :]
         q = tl.load(q_ptrs, mask=mmask[:, None] & dmask[None, :], other=0.0)
 
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        cache = (kc_ptr, vc_ptr, ks_ptr, vs_ptr)
+        strides = (stride_cb, stride_ct, stride_ch, stride_eb, stride_et, stride_eh)
         end = tl.minimum(seq_len - q_len + (tile + 1) * BLOCK_M, seq_len)
-        for n0 in range(0, end, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            valid = offs_n < end
-            mask = mmask[:, None] & valid[None, :] & (offs_n[None, :] <= qpos[:, None])
-            acc, m_i, l_i = kv_tile_update(
-                q,
-                acc,
-                m_i,
-                l_i,
-                offs_n,
-                valid,
-                mask,
-                bt_ptr + b * stride_btb,
-                kc_ptr,
-                vc_ptr,
-                ks_ptr,
-                vs_ptr,
-                h // GROUP,
-                sm_scale,
-                stride_cb,
-                stride_ct,
-                stride_ch,
-                stride_eb,
-                stride_et,
-                stride_eh,
-                offs_d,
-                dmask,
-                BLOCK_SIZE,
-                IS_FP8,
-                PRECISION,
-            )
-        out = acc / tl.maximum(l_i, 1e-30)[:, None]
+        bt_row = bt_ptr + b * stride_btb
+        out, _, _ = attend_paged(q, qpos, mmask, 0, end, bt_row, cache, h // GROUP, strides,
+                                 sm_scale, offs_d, dmask, BLOCK_N, BLOCK_SIZE, IS_FP8,
+                                 CAUSAL=True, PRECISION=PRECISION)  # fmt: skip
         o_ptrs = o_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=mmask[:, None] & dmask[None, :])
 
@@ -137,7 +114,6 @@ def paged_prefill_attention(
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
     fp8 = is_fp8(k_cache)
     ops = cache_operands(k_cache, v_cache, k_scale, v_scale)
-    es = k_scale.stride() if fp8 else (0, 0, 0)
     block_m = block_m or (64 if d <= 128 else 32)
     grid = (triton.cdiv(max_query_len, block_m), hq, bsz)
     _prefill_kernel[grid](
@@ -150,8 +126,7 @@ def paged_prefill_attention(
         sm_scale,
         q.stride(0),
         q.stride(1),
-        *k_cache.stride()[:3],
-        *es,
+        *paged_strides(k_cache, k_scale),
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),
