@@ -3,6 +3,8 @@ checks and the online-softmax update over one tile of paged keys/values."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -29,6 +31,22 @@ def fp8_native(t: torch.Tensor) -> bool:
     return not t.is_cuda or torch.cuda.get_device_capability(t.device) >= (8, 9)
 
 
+@dataclass(frozen=True)
+class PagedCache:
+    """The paged cache as the attention kernels take it."""
+
+    tensors: tuple[torch.Tensor, ...]  # (k, v, k scale, v scale), as `cache_operands`
+    strides: tuple[int, ...]  # (cache block, token, head; scale block, token, head)
+    is_fp8: bool
+
+    @classmethod
+    def of(cls, k_cache, v_cache, k_scale, v_scale) -> PagedCache:
+        tensors = cache_operands(k_cache, v_cache, k_scale, v_scale)
+        fp8 = is_fp8(k_cache)
+        scale_strides = k_scale.stride() if fp8 else (0, 0, 0)  # unused without FP8
+        return cls(tensors, (*k_cache.stride()[:3], *scale_strides), fp8)
+
+
 def cache_operands(k_cache, v_cache, k_scale, v_scale) -> tuple:
     """(k, v, k_scale, v_scale) as the attention kernels take them: a non-FP8 cache passes
     itself as the (unused) scale pointers; FP8 without native support passes uint8 views."""
@@ -37,12 +55,6 @@ def cache_operands(k_cache, v_cache, k_scale, v_scale) -> tuple:
     if not fp8_native(k_cache):
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     return k_cache, v_cache, k_scale, v_scale
-
-
-def paged_strides(k_cache: torch.Tensor, k_scale: torch.Tensor | None) -> tuple[int, ...]:
-    """The six strides the kernels take for the cache and its scales (block, token, head
-    each); zeros for the scales of a non-FP8 cache."""
-    return (*k_cache.stride()[:3], *(k_scale.stride() if is_fp8(k_cache) else (0, 0, 0)))
 
 
 def check_cache(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens) -> tuple[int, int]:
@@ -65,11 +77,13 @@ def check_cache(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens) -
 
 
 @triton.jit
-def _load_paged(cache_ptr, scale_ptr, blk, off, hkv, strides, valid, offs_d, dmask, IS_FP8):
+def _load_paged(
+    cache_ptr, scale_ptr, blk, off, hkv, strides, valid, offs_d, dmask, IS_FP8: tl.constexpr
+):
     """Rows [BLOCK_N, BLOCK_D] of one KV head at the given (block, offset) pairs, and their
     int8 scale exponents [BLOCK_N] (zeros for a non-FP8 cache). Offsets are int64.
 
-    strides: (cache block, token, head; scale block, token, head), as `paged_strides`."""
+    strides: (cache block, token, head; scale block, token, head), as `PagedCache.strides`."""
     stride_cb, stride_ct, stride_ch, stride_eb, stride_et, stride_eh = strides
     rows = blk * stride_cb + off * stride_ct + hkv * stride_ch  # [BLOCK_N] int64
     x = tl.load(
@@ -172,23 +186,7 @@ def attend_paged(
         mask = rmask[:, None] & valid[None, :]
         if CAUSAL:
             mask = mask & (offs_n[None, :] <= qpos[:, None])
-        acc, m_i, l_i = kv_tile_update(
-            q,
-            acc,
-            m_i,
-            l_i,
-            offs_n,
-            valid,
-            mask,
-            bt_row_ptr,
-            cache,
-            hkv,
-            strides,
-            sm_scale,
-            offs_d,
-            dmask,
-            BLOCK_SIZE,
-            IS_FP8,
-            PRECISION,
-        )
+        acc, m_i, l_i = kv_tile_update(q, acc, m_i, l_i, offs_n, valid, mask, bt_row_ptr, cache,
+                                       hkv, strides, sm_scale, offs_d, dmask, BLOCK_SIZE, IS_FP8,
+                                       PRECISION)  # fmt: skip
     return acc / tl.maximum(l_i, 1e-30)[:, None], m_i, l_i

@@ -20,6 +20,7 @@ import triton.language as tl
 
 from slimserve_kernels.device import num_sms
 from slimserve_kernels.fp8_utils import e4m3_bits_to_fp16
+from slimserve_kernels.gemm_common import load_x_tile, output_tile, split_k_range, store_split
 from slimserve_kernels.reference import FP8_DTYPE, dequantize_fp8_blocks
 
 
@@ -45,30 +46,23 @@ def _fp8_gemm_kernel(
     BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    split = tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m, offs_n, split = output_tile(BLOCK_M, BLOCK_N)
     m64, n64 = offs_m.to(tl.int64), offs_n.to(tl.int64)
     nmask = offs_n < N
     s_rows = (offs_n // SBN).to(tl.int64) * stride_sn  # [BN]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    k_start = split * k_per_split
-    for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
+    k_lo, k_hi = split_k_range(split, k_per_split, K)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        kmask = offs_k < K
-        xm = (offs_m < M)[:, None] & kmask[None, :]
-        x = tl.load(x_ptr + m64[:, None] * stride_xm + offs_k[None, :], mask=xm, other=0.0)
-        wm = nmask[:, None] & kmask[None, :]
+        x = load_x_tile(x_ptr, m64, offs_m, offs_k, M, K, stride_xm)
+        wm = nmask[:, None] & (offs_k < K)[None, :]
         w = tl.load(w_ptr + n64[:, None] * stride_wn + offs_k[None, :], mask=wm, other=0.0)
         if w_ptr.dtype.element_ty == tl.uint8:  # e4m3 bits (GPUs without native fp8)
             w = e4m3_bits_to_fp16(w)
         s = tl.load(s_ptr + s_rows + k0 // SBK, mask=nmask, other=0.0).to(tl.float32)  # [BN]
         part = tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=PRECISION)
         acc += part * s[None, :]
-    y_ptrs = y_ptr + split * stride_ys + m64[:, None] * stride_ym + offs_n[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & nmask[None, :])
+    store_split(y_ptr, acc, m64, offs_m, offs_n, split, M, N, stride_ys, stride_ym)
 
 
 DEQUANT_MIN_M = 1024  # as int4_gemm: from here W is dequantized once and cuBLAS runs

@@ -32,9 +32,8 @@ def _w_tile(w_ptr, s_ptr, z_ptr, offs_n, k0, n_rows, K, swn, ssn, szn,
     """Rows offs_n [BN] x columns k0..k0+BK of one expert's weight -> [BN, BK] (0 outside)."""
     if KIND == 2:
         words_k = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-        w = _unpack_words(
-            w_ptr, s_ptr, z_ptr, offs_n, words_k, n_rows, K, swn, ssn, szn, GROUP, HAS_ZEROS
-        )
+        weight, strides = (w_ptr, s_ptr, z_ptr), (swn, ssn, szn)
+        w = _unpack_words(weight, strides, offs_n, words_k, n_rows, K, GROUP, HAS_ZEROS)
         w = tl.reshape(w, [BLOCK_N, BLOCK_K])
     else:
         offs_k = k0 + tl.arange(0, BLOCK_K)

@@ -20,28 +20,21 @@ import triton
 import triton.language as tl
 
 from slimserve_kernels.device import num_sms
+from slimserve_kernels.gemm_common import load_x_tile, output_tile, split_k_range, store_split
 
 
 @triton.jit
 def _unpack_words(
-    w_ptr,
-    s_ptr,
-    z_ptr,
-    offs_n,
-    words_k,
-    N,
-    K,
-    stride_wn,
-    stride_sn,
-    stride_zn,
-    GROUP: tl.constexpr,
-    HAS_ZEROS: tl.constexpr,
+    weight, strides, offs_n, words_k, N, K, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr
 ):
     """W at rows offs_n [BN] and packed-word columns words_k [BK/8] -> fp32 [BN, BK/8, 8],
     element [n, j, i] = W[n, 8 * words_k[j] + i]; out-of-range entries are 0.
 
     Each int32 word, scale and zero point is loaded once per tile (a word never straddles a
-    group) and unpacked in registers."""
+    group) and unpacked in registers. weight: (packed int32, scales, zero points) pointers;
+    strides: their row strides."""
+    w_ptr, s_ptr, z_ptr = weight
+    stride_wn, stride_sn, stride_zn = strides
     mask = (offs_n < N)[:, None] & (words_k < K // 8)[None, :]
     rows = offs_n.to(tl.int64)[:, None]
     words = tl.load(w_ptr + rows * stride_wn + words_k[None, :], mask=mask, other=0)
@@ -84,34 +77,19 @@ def _gemv_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_j = tl.arange(0, BLOCK_K // 8)  # packed word within the K tile
     offs_i = tl.arange(0, 8)  # nibble within the word
+    weight, w_strides = (w_ptr, s_ptr, z_ptr), (stride_wn, stride_sn, stride_zn)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    k_start = split * k_per_split
-    for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
+    k_lo, k_hi = split_k_range(split, k_per_split, K)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         words_k = k0 // 8 + offs_j  # [BK/8]
-        w = _unpack_words(
-            w_ptr,
-            s_ptr,
-            z_ptr,
-            offs_n,
-            words_k,
-            N,
-            K,
-            stride_wn,
-            stride_sn,
-            stride_zn,
-            GROUP,
-            HAS_ZEROS,
-        )
+        w = _unpack_words(weight, w_strides, offs_n, words_k, N, K, GROUP, HAS_ZEROS)
         cols = (words_k * 8)[:, None] + offs_i[None, :]  # [BK/8, 8] column k of each nibble
         for m in tl.static_range(BLOCK_M):
             k_lim = tl.where(m < M, K, 0)  # rows past M (BLOCK_M padding) read nothing
             x = tl.load(x_ptr + m * stride_xm + cols, mask=cols < k_lim, other=0.0)
             part = tl.sum(tl.sum(w * x.to(tl.float32)[None, :, :], axis=2), axis=1)  # [BN]
             acc = tl.where(offs_m[:, None] == m, acc + part[None, :], acc)
-    y_ptrs = y_ptr + split * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :]
-    tl.store(
-        y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :]
-    )
+    store_split(y_ptr, acc, offs_m, offs_m, offs_n, split, M, N, stride_ys, stride_ym)
 
 
 @triton.jit
@@ -138,39 +116,18 @@ def _tiled_kernel(
     BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    split = tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m, offs_n, split = output_tile(BLOCK_M, BLOCK_N)
     m64 = offs_m.to(tl.int64)
+    weight, w_strides = (w_ptr, s_ptr, z_ptr), (stride_wn, stride_sn, stride_zn)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    k_start = split * k_per_split
-    for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        xmask = (offs_m < M)[:, None] & (offs_k < K)[None, :]
-        x = tl.load(x_ptr + m64[:, None] * stride_xm + offs_k[None, :], mask=xmask, other=0.0)
+    k_lo, k_hi = split_k_range(split, k_per_split, K)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        x = load_x_tile(x_ptr, m64, offs_m, k0 + tl.arange(0, BLOCK_K), M, K, stride_xm)
         words_k = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-        w = _unpack_words(
-            w_ptr,
-            s_ptr,
-            z_ptr,
-            offs_n,
-            words_k,
-            N,
-            K,
-            stride_wn,
-            stride_sn,
-            stride_zn,
-            GROUP,
-            HAS_ZEROS,
-        )
+        w = _unpack_words(weight, w_strides, offs_n, words_k, N, K, GROUP, HAS_ZEROS)
         w = tl.reshape(w, [BLOCK_N, BLOCK_K])  # row-major: column 8j + i, as packed
         acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=PRECISION)
-    y_ptrs = y_ptr + split * stride_ys + m64[:, None] * stride_ym + offs_n[None, :]
-    tl.store(
-        y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :]
-    )
+    store_split(y_ptr, acc, m64, offs_m, offs_n, split, M, N, stride_ys, stride_ym)
 
 
 @triton.jit
@@ -192,20 +149,8 @@ def _dequant_kernel(
 ):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     words_k = tl.program_id(1) * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
-    w = _unpack_words(
-        w_ptr,
-        s_ptr,
-        z_ptr,
-        offs_n,
-        words_k,
-        N,
-        K,
-        stride_wn,
-        stride_sn,
-        stride_zn,
-        GROUP,
-        HAS_ZEROS,
-    )  # [BN, BK/8, 8]
+    weight, w_strides = (w_ptr, s_ptr, z_ptr), (stride_wn, stride_sn, stride_zn)
+    w = _unpack_words(weight, w_strides, offs_n, words_k, N, K, GROUP, HAS_ZEROS)  # [BN, BK/8, 8]
     cols = (words_k * 8)[:, None] + tl.arange(0, 8)[None, :]  # [BK/8, 8]
     mask = (offs_n < N)[:, None, None] & (cols < K)[None, :, :]
     o_ptrs = out_ptr + offs_n.to(tl.int64)[:, None, None] * stride_on + cols[None, :, :]

@@ -13,22 +13,13 @@ from slimserve_kernels.reference import is_fp8
 
 @triton.jit
 def _write_one(
-    src_ptr,
-    cache_ptr,
-    scale_ptr,
-    t,
-    h,
-    slot,
-    D,
-    stride_st,
-    stride_sh,
-    stride_cslot,
-    stride_ch,
-    stride_eslot,
-    stride_eh,
-    IS_FP8: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    src_ptr, cache, t, h, slot, D, src_strides, strides, IS_FP8: tl.constexpr, BLOCK_D: tl.constexpr
 ):
+    """Token t, head h of src (row strides src_strides) into `slot` of cache: (cache, scale)
+    pointers; strides: (cache slot, head; scale slot, head)."""
+    cache_ptr, scale_ptr = cache
+    stride_st, stride_sh = src_strides
+    stride_cslot, stride_ch, stride_eslot, stride_eh = strides
     offs_d = tl.arange(0, BLOCK_D)
     mask = offs_d < D
     x = tl.load(src_ptr + t * stride_st + h * stride_sh + offs_d, mask=mask, other=0.0)
@@ -68,40 +59,10 @@ def _kv_write_kernel(
     h = tl.program_id(1)
     slot = tl.load(slot_ptr + t)  # int64: block_id * block_size + offset
     if slot >= 0:
-        _write_one(
-            k_ptr,
-            kc_ptr,
-            ks_ptr,
-            t,
-            h,
-            slot,
-            D,
-            stride_kt,
-            stride_kh,
-            stride_cslot,
-            stride_ch,
-            stride_eslot,
-            stride_eh,
-            IS_FP8,
-            BLOCK_D,
-        )
-        _write_one(
-            v_ptr,
-            vc_ptr,
-            vs_ptr,
-            t,
-            h,
-            slot,
-            D,
-            stride_vt,
-            stride_vh,
-            stride_cslot,
-            stride_ch,
-            stride_eslot,
-            stride_eh,
-            IS_FP8,
-            BLOCK_D,
-        )
+        strides = (stride_cslot, stride_ch, stride_eslot, stride_eh)
+        k_strides, v_strides = (stride_kt, stride_kh), (stride_vt, stride_vh)
+        _write_one(k_ptr, (kc_ptr, ks_ptr), t, h, slot, D, k_strides, strides, IS_FP8, BLOCK_D)
+        _write_one(v_ptr, (vc_ptr, vs_ptr), t, h, slot, D, v_strides, strides, IS_FP8, BLOCK_D)
 
 
 def kv_write(

@@ -12,15 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from slimserve_kernels.attn_common import (
-    attend_paged,
-    cache_operands,
-    check_cache,
-    dot_operands,
-    paged_strides,
-)
+from slimserve_kernels.attn_common import PagedCache, attend_paged, check_cache, dot_operands
 from slimserve_kernels.device import num_sms
-from slimserve_kernels.reference import is_fp8
 
 
 @triton.jit
@@ -160,8 +153,7 @@ def paged_decode_attention(
     if num_splits is None:
         max_context = block_tables.shape[1] * block_size  # an upper bound, no host sync
         num_splits = choose_num_splits(bsz, hkv, max_context, num_sms(q))
-    fp8 = is_fp8(k_cache)
-    ops = cache_operands(k_cache, v_cache, k_scale, v_scale)
+    cache = PagedCache.of(k_cache, v_cache, k_scale, v_scale)
     out = torch.empty_like(q)
     q, precision = dot_operands(q, k_cache)
     if num_splits > 1:
@@ -172,7 +164,7 @@ def paged_decode_attention(
     group = hq // hkv
     _decode_kernel[(bsz, hkv, num_splits)](
         q,
-        *ops,
+        *cache.tensors,
         block_tables,
         seq_lens,
         part,
@@ -180,7 +172,7 @@ def paged_decode_attention(
         sm_scale,
         q.stride(0),
         q.stride(1),
-        *paged_strides(k_cache, k_scale),
+        *cache.strides,
         block_tables.stride(0),
         part.stride(0),
         part.stride(1),
@@ -194,7 +186,7 @@ def paged_decode_attention(
         BLOCK_D=triton.next_power_of_2(d),
         BLOCK_N=block_n,
         NUM_SPLITS=num_splits,
-        IS_FP8=fp8,
+        IS_FP8=cache.is_fp8,
         PRECISION=precision,
     )
     if num_splits > 1:

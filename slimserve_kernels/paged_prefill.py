@@ -12,14 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from slimserve_kernels.attn_common import (
-    attend_paged,
-    cache_operands,
-    check_cache,
-    dot_operands,
-    paged_strides,
-)
-from slimserve_kernels.reference import is_fp8
+from slimserve_kernels.attn_common import PagedCache, attend_paged, check_cache, dot_operands
 
 
 @triton.jit
@@ -112,13 +105,12 @@ def paged_prefill_attention(
         return out
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
-    fp8 = is_fp8(k_cache)
-    ops = cache_operands(k_cache, v_cache, k_scale, v_scale)
+    cache = PagedCache.of(k_cache, v_cache, k_scale, v_scale)
     block_m = block_m or (64 if d <= 128 else 32)
     grid = (triton.cdiv(max_query_len, block_m), hq, bsz)
     _prefill_kernel[grid](
         q,
-        *ops,
+        *cache.tensors,
         block_tables,
         query_start_loc,
         seq_lens,
@@ -126,7 +118,7 @@ def paged_prefill_attention(
         sm_scale,
         q.stride(0),
         q.stride(1),
-        *paged_strides(k_cache, k_scale),
+        *cache.strides,
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),
@@ -136,7 +128,7 @@ def paged_prefill_attention(
         BLOCK_M=block_m,
         BLOCK_D=triton.next_power_of_2(d),
         BLOCK_N=block_n,
-        IS_FP8=fp8,
+        IS_FP8=cache.is_fp8,
         PRECISION=precision,
         num_warps=8,
     )

@@ -1,0 +1,39 @@
+"""Pieces of the split-K GEMM kernels (fp8_gemm_triton.py, int4_gemm_triton.py): a program
+owns one [BLOCK_M, BLOCK_N] output tile and one slice of K, and writes its partial product
+to y[split] (the host sums the splits in fp32, or y is the output when there is one)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def output_tile(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(offs_m [BM], offs_n [BN], split) of this program; grid: (M tiles, N tiles, splits)."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return offs_m, offs_n, tl.program_id(2)
+
+
+@triton.jit
+def split_k_range(split, k_per_split, K):
+    """[k_lo, k_hi): the columns of K that split `split` covers."""
+    k_lo = split * k_per_split
+    return k_lo, tl.minimum(k_lo + k_per_split, K)
+
+
+@triton.jit
+def load_x_tile(x_ptr, rows, offs_m, offs_k, M, K, stride_xm):
+    """x[offs_m, offs_k] -> [BM, BK], 0 outside x; rows: offs_m in int64."""
+    mask = (offs_m < M)[:, None] & (offs_k < K)[None, :]
+    return tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def store_split(y_ptr, acc, rows, offs_m, offs_n, split, M, N, stride_ys, stride_ym):
+    """acc [BM, BN] -> y[split, offs_m, offs_n] in y's dtype, inside y only; rows: offs_m as
+    the address arithmetic takes them (int64 where a tile may lie past 2**31 elements)."""
+    y_ptrs = y_ptr + split * stride_ys + rows[:, None] * stride_ym + offs_n[None, :]
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
