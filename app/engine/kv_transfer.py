@@ -19,6 +19,7 @@ its last block; a partial chunk's is next_hash(previous chunk's hash, its tokens
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from concurrent.futures import Executor, Future
 
 import torch
@@ -180,15 +181,24 @@ def encode_chunks(
     scales,
     salt: bytes,
     tagger: Executor | None = None,
+    block_hashes: Sequence[BlockHash] = (),
 ) -> list[KVChunk]:
     """kv [L, P, n, Hkv, D] (scales [L, P, n, Hkv] or None) of token_ids -> chunks, each
-    tagged on ``tagger`` while the next is copied (or else in the same pass as its copy)."""
-    n, ct = len(token_ids), fmt.chunk_tokens
+    tagged on ``tagger`` while the next is copied (or else in the same pass as its copy).
+
+    block_hashes: the hashes of token_ids' full blocks under salt that the block manager
+    already made (Sequence.block_hashes); a full chunk's hash is its last block's, so it is
+    taken from there instead of hashing the tokens (keys and BLAKE2b digests) again."""
+    n, ct, bs = len(token_ids), fmt.chunk_tokens, fmt.spec.block_size
     parts, parent = [], None
     for start in range(0, n, ct):
         end = min(start + ct, n)
         tokens = tuple(token_ids[start:end])
-        h = chunk_hash(parent, tokens, salt, fmt.spec.block_size, fmt.is_full(len(tokens)))
+        full = fmt.is_full(len(tokens))
+        if full and end // bs <= len(block_hashes):
+            h = block_hashes[end // bs - 1]
+        else:
+            h = chunk_hash(parent, tokens, salt, bs, full)
         sc = None if scales is None else scales[:, :, start:end]
         parts.append((fmt.meta(tokens, start, h, parent), kv[:, :, start:end], sc))
         parent = h

@@ -43,6 +43,7 @@ from app.engine.kv_transfer import encode_chunks, plan_import, write_import
 from app.engine.request import RequestDelta
 from app.engine.sequence import Sequence
 from app.kv.chunk_format import ChunkFormat
+from app.kv.keys import BlockHash
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,7 @@ class ExportJob:
     token_ids: list[int]  # the prompt
     block_ids: list[int]  # pinned until the worker has read them
     salt: bytes
+    block_hashes: list[BlockHash]  # of the prompt's full blocks (the chunks' keys, digests)
     after: Any = None  # CUDA event: the step that wrote the KV
     cancelled: bool = False
 
@@ -117,8 +119,10 @@ class Transfers:
     def start_export(self, seq: Sequence, delta: RequestDelta) -> None:
         """Takes seq's blocks; poll returns delta with the chunks once they are encoded."""
         prompt = seq.token_ids[: seq.num_prompt_tokens]
+        hashes = seq.block_hashes[: len(prompt) // self.blocks.block_size]
         block_ids = self.blocks.hand_over(seq)
-        self._submit(ExportJob(seq.request_id, delta, prompt, block_ids, seq.salt, self._event()))
+        job = ExportJob(seq.request_id, delta, prompt, block_ids, seq.salt, hashes, self._event())
+        self._submit(job)
 
     def cancel(self, request_id: str, seqs: list[Sequence]) -> list[RequestDelta]:
         """Abort: pending jobs give their blocks back when the worker is done with them; a
@@ -220,7 +224,9 @@ class Transfers:
             kv, scales = self.cache.read_tokens(job.block_ids, len(job.token_ids))
             if kv.device.type != "cpu":  # the chunk payload is host memory
                 kv, scales = kv.cpu(), None if scales is None else scales.cpu()
-            return encode_chunks(self.fmt, job.token_ids, kv, scales, job.salt, self._tagger)
+            return encode_chunks(
+                self.fmt, job.token_ids, kv, scales, job.salt, self._tagger, job.block_hashes
+            )
         num_valid, rejected = write_import(self.cache, self.fmt, job.chunks, job.hold, self._tagger)
         written = None
         if self._stream is not None:

@@ -93,3 +93,17 @@ def test_checked_and_cached_chunks_before_a_damaged_one(kv, tagger, overlapped):
     cache = KVCache(FMT.spec, 8, "cpu")
     valid, rejected = write_import(cache, FMT, offered, hold, tagger if overlapped else None)
     assert valid == 2 and [k for k, _ in rejected] == [chunks[1].key]
+
+
+def test_export_takes_the_chunk_hashes_the_block_manager_made(kv):
+    """A full chunk's key and digest are its last block's (Sequence.block_hashes), so the
+    export reuses them instead of hashing the tokens again; the chunks are the same bytes.
+
+    Seen failing: with the next block's hash taken (block_hashes[end // bs], clamped), the
+    wires differed."""
+    from app.kv.keys import chain_hashes
+
+    made = chain_hashes(TOKENS[:20], FMT.spec.block_size, b"salt")  # 5 of 6 blocks known
+    again = encode_chunks(FMT, TOKENS, *kv, b"salt", block_hashes=made)
+    fresh = encode_chunks(FMT, TOKENS, *kv, b"salt")
+    assert [bytes(c.encode()) for c in again] == [bytes(c.encode()) for c in fresh]
