@@ -145,8 +145,7 @@ class GrpcIngress:
     async def Tokenize(
         self, request: pb.TokenizeRequest, grpc_context: RayServegRPCContext
     ) -> pb.TokenizeResponse:
-        request = self._grpc_admit(request, grpc_context)
-        self.normalizer.check_model(request.model)
+        request = self._grpc_admit(request, grpc_context, model=True)
         info = await self.driver.describe()
         kind = request.WhichOneof("input")
         if kind == "chat":
@@ -162,8 +161,7 @@ class GrpcIngress:
     async def Detokenize(
         self, request: pb.DetokenizeRequest, grpc_context: RayServegRPCContext
     ) -> pb.DetokenizeResponse:
-        request = self._grpc_admit(request, grpc_context)
-        self.normalizer.check_model(request.model)
+        request = self._grpc_admit(request, grpc_context, model=True)
         vocab = (await self.driver.describe()).vocab_size
         ids = list(request.token_ids)
         if any(t >= vocab for t in ids):
@@ -175,7 +173,7 @@ class GrpcIngress:
     async def ListModels(
         self, request: pb.ListModelsRequest, grpc_context: RayServegRPCContext
     ) -> pb.ListModelsResponse:
-        self._grpc_admit(request, grpc_context)
+        self._grpc_admit(request, grpc_context, model=False)  # no model field
         info = await self.driver.describe()
         model = pb.Model(
             id=self.model_name,
@@ -242,12 +240,15 @@ class GrpcIngress:
         counter = UsageCounter(len(req.prompt_token_ids), req.params.n)
         return rid, stream, counter, req.tools, timeout_s
 
-    def _grpc_admit(self, request: Reply, ctx: RayServegRPCContext) -> Reply:
-        """The parsed request of a caller with a known key (UNAUTHENTICATED when a key is
-        required and not known; INVALID_ARGUMENT when the proxy could not parse it)."""
+    def _grpc_admit(self, request: Reply, ctx: RayServegRPCContext, *, model: bool) -> Reply:
+        """The parsed request of a caller with a known key, for the served model if `model`
+        (INVALID_ARGUMENT when the proxy could not parse it; UNAUTHENTICATED when a key is
+        required and not known; NOT_FOUND for another model)."""
         request = parsed(request)
         metadata = dict(ctx.invocation_metadata())
         self.normalizer.tenant_salt(metadata, require_key=self.args.grpc_require_api_key)
+        if model:
+            self.normalizer.check_model(request.model)
         return request
 
     def _grpc_fail(self, ctx: RayServegRPCContext, error: GrpcError) -> GrpcRequestError:

@@ -99,6 +99,27 @@ def test_unknown_model_and_auth(stub):
     assert stub.Complete(ok, metadata=x_api_key).usage.completion_tokens == 2
 
 
+def test_unary_rpcs_check_model_and_key(stub):
+    """Tokenize, Detokenize and ListModels admit a caller as Complete does (each failure a
+    status code, not INTERNAL). Seen failing with Tokenize admitting without `model=True`:
+    the other model's text was tokenized (no RpcError raised)."""
+    calls = {
+        "Tokenize": lambda md, m: stub.Tokenize(
+            pb.TokenizeRequest(model=m, text="hi"), metadata=md
+        ),
+        "Detokenize": lambda md, m: stub.Detokenize(
+            pb.DetokenizeRequest(model=m, token_ids=[1]), metadata=md
+        ),
+    }
+    for name, call in calls.items():
+        err = code_of(lambda c=call: c(KEY_A, "gpt-4"))
+        assert err.code() == grpc.StatusCode.NOT_FOUND and "'tiny'" in err.details(), name
+        err = code_of(lambda c=call: c((("application", APP),), "tiny"))
+        assert err.code() == grpc.StatusCode.UNAUTHENTICATED, name
+    err = code_of(lambda: stub.ListModels(pb.ListModelsRequest(), metadata=(("application", APP),)))
+    assert err.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
 def test_tenants_get_their_own_cache_salt(stub):
     req = pb.GenerateRequest(
         text="tenant isolation keeps every prefix apart " * 3, sampling=greedy(2)
