@@ -109,10 +109,7 @@ def kv_tile_update(
     offs_n,
     valid,
     mask,
-    bt_row_ptr,
-    cache,
-    hkv,
-    strides,
+    kv,
     sm_scale,
     offs_d,
     dmask,
@@ -122,11 +119,12 @@ def kv_tile_update(
 ):
     """Online-softmax step of q [BLOCK_M, BLOCK_D] over keys at positions offs_n [BLOCK_N].
 
-    cache: (k, v, k scale, v scale) pointers. FP8 descale: the K exponent scales score
+    kv: one sequence's KV head, as `attend_paged` takes it. FP8 descale: the K exponent scales score
     columns (exact, a power of two). The V exponent is split into the tile max (applied to
     the fp32 product) and a per-key remainder <= 1 folded into p, so p stays in [0, 1] and
     cannot underflow in fp16.
     """
+    bt_row_ptr, cache, hkv, strides = kv
     kc_ptr, vc_ptr, ks_ptr, vs_ptr = cache
     blk = tl.load(bt_row_ptr + offs_n // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
     off = (offs_n % BLOCK_SIZE).to(tl.int64)
@@ -158,10 +156,7 @@ def attend_paged(
     rmask,
     start,
     end,
-    bt_row_ptr,
-    cache,
-    hkv,
-    strides,
+    kv,
     sm_scale,
     offs_d,
     dmask,
@@ -173,6 +168,9 @@ def attend_paged(
 ):
     """Attention of the query rows q [R, BLOCK_D] (rows where rmask) over the keys at
     positions start..end-1 of one sequence's KV head, BLOCK_N keys at a time.
+
+    kv: (its block table row pointer, the cache's (k, v, k scale, v scale) pointers, the KV
+    head, the cache's strides as `PagedCache.strides`).
 
     CAUSAL: row r sees keys up to its own position qpos[r]; else every row sees them all.
     Returns (out [R, BLOCK_D] fp32, row max m [R], row sum l [R]); out is 0 where l = 0.
@@ -186,7 +184,6 @@ def attend_paged(
         mask = rmask[:, None] & valid[None, :]
         if CAUSAL:
             mask = mask & (offs_n[None, :] <= qpos[:, None])
-        acc, m_i, l_i = kv_tile_update(q, acc, m_i, l_i, offs_n, valid, mask, bt_row_ptr, cache,
-                                       hkv, strides, sm_scale, offs_d, dmask, BLOCK_SIZE, IS_FP8,
-                                       PRECISION)  # fmt: skip
+        acc, m_i, l_i = kv_tile_update(q, acc, m_i, l_i, offs_n, valid, mask, kv, sm_scale,
+                                       offs_d, dmask, BLOCK_SIZE, IS_FP8, PRECISION)  # fmt: skip
     return acc / tl.maximum(l_i, 1e-30)[:, None], m_i, l_i

@@ -73,10 +73,10 @@ def _decode_kernel(
     cache = (kc_ptr, vc_ptr, ks_ptr, vs_ptr)
     strides = (stride_cb, stride_ct, stride_ch, stride_eb, stride_et, stride_eh)
     # Causal/length mask is per key only: every query row sees all keys < seq_len.
-    bt_row = bt_ptr + b * stride_btb
-    out, m_i, l_i = attend_paged(q, heads, hmask, start, end, bt_row, cache, hkv, strides,
-                                 sm_scale, offs_d, dmask, BLOCK_N, BLOCK_SIZE, IS_FP8,
-                                 CAUSAL=False, PRECISION=PRECISION)  # fmt: skip
+    kv = (bt_ptr + b * stride_btb, cache, hkv, strides)
+    out, m_i, l_i = attend_paged(q, heads, hmask, start, end, kv, sm_scale, offs_d, dmask,
+                                 BLOCK_N, BLOCK_SIZE, IS_FP8, CAUSAL=False,
+                                 PRECISION=PRECISION)  # fmt: skip
     o_ptrs = o_ptr + b * stride_ob + heads[:, None] * stride_oh + split * stride_os
     tl.store(
         o_ptrs + offs_d[None, :],

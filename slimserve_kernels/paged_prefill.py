@@ -66,10 +66,10 @@ def _prefill_kernel(
         cache = (kc_ptr, vc_ptr, ks_ptr, vs_ptr)
         strides = (stride_cb, stride_ct, stride_ch, stride_eb, stride_et, stride_eh)
         end = tl.minimum(seq_len - q_len + (tile + 1) * BLOCK_M, seq_len)
-        bt_row = bt_ptr + b * stride_btb
-        out, _, _ = attend_paged(q, qpos, mmask, 0, end, bt_row, cache, h // GROUP, strides,
-                                 sm_scale, offs_d, dmask, BLOCK_N, BLOCK_SIZE, IS_FP8,
-                                 CAUSAL=True, PRECISION=PRECISION)  # fmt: skip
+        kv = (bt_ptr + b * stride_btb, cache, h // GROUP, strides)
+        out, _, _ = attend_paged(q, qpos, mmask, 0, end, kv, sm_scale, offs_d, dmask,
+                                 BLOCK_N, BLOCK_SIZE, IS_FP8, CAUSAL=True,
+                                 PRECISION=PRECISION)  # fmt: skip
         o_ptrs = o_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=mmask[:, None] & dmask[None, :])
 
