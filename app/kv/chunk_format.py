@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from app.kv.chunk import ChunkMeta, KVChunk
+from app.kv.chunk import ChunkMeta, ChunkMismatchError, KVChunk
+from app.kv.chunk_header import hex_key
 from app.kv.keys import BlockHash
 from app.kv.layout import KVCacheSpec, KVLayout
 
@@ -44,8 +45,14 @@ class ChunkFormat:
         return self.spec.dtype.name
 
     def check(self, chunk: KVChunk) -> None:
-        """Raise ChunkMismatchError unless the chunk is of this model, dtype and layout."""
-        chunk.check(fingerprint=self.fingerprint, layout=self.layout, kv_dtype=self.kv_dtype)
+        """Raise ChunkMismatchError unless the chunk is of this model, dtype and layout (the
+        message names all three, both sides, so a log shows what was offered)."""
+        m, ours = chunk.meta, (self.fingerprint, self.kv_dtype, self.layout)
+        if (m.fingerprint, m.kv_dtype, m.layout) != ours:
+            raise ChunkMismatchError(
+                f"chunk {hex_key(m.key)} is for {m.fingerprint}/{m.kv_dtype}/{m.layout}, "
+                "this cache takes {}/{}/{}".format(*ours)
+            )
 
     def is_full(self, num_tokens: int) -> bool:
         """A full chunk (cacheable, keyed by its last block) rather than a prompt's tail."""

@@ -1,6 +1,7 @@
 """ChunkFormat: one definition of what an engine's chunks carry and what its readers accept."""
 
 import dataclasses
+import re
 
 import pytest
 
@@ -43,9 +44,12 @@ def test_meta_stamps_what_check_accepts():
     ids=["fingerprint", "dtype", "layers", "block_size"],
 )
 def test_chunks_of_another_format_are_refused(other):
-    """Seen failing: with check() comparing only the fingerprint, the dtype, layers and
+    """The message names what the chunk is for (a log must show an MLA chunk offered to a
+    GQA cache: tests/models/test_deepseek_v3.py).
+
+    Seen failing: with check() comparing only the fingerprint, the dtype, layers and
     block_size cases passed a chunk of another cache through."""
-    with pytest.raises(ChunkMismatchError):
+    with pytest.raises(ChunkMismatchError, match=re.escape(f"is for tiny@1/fp8_e4m3/{FMT.layout}")):
         other.check(_chunk())
 
 
