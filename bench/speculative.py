@@ -10,12 +10,14 @@ For k = 1..5, with BF16/float32 or FP8 KV, and for two policies side by side:
 - "cost": the default; speculation also pauses while verify steps cost more wall time per
   emitted token than plain decode steps (app/engine/spec/cost.py);
 output tokens per target forward (per sequence: tokens emitted / forwards the sequence took
-part in, the hardware-independent gain), tokens per second (wall clock, this machine) and
+part in, the hardware-independent gain), tokens per second (wall clock, this machine; each
+configuration runs alternately with plain decoding, the fastest of --repeats runs of each
+compared, so both see the same load) and
 the share of decode steps the cost policy paused. Every engine keeps its state across the
 runs (warm-up, repeats, both workloads), as a server would. Greedy output is checked to be
 identical to decoding without speculation in every configuration.
 
-    python bench/speculative.py [--model PATH] [--gen 128] [--prompts 4] [--repeats 2]
+    python bench/speculative.py [--model PATH] [--gen 128] [--prompts 4] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -83,10 +85,12 @@ def run(llm, prompts, gen: int) -> tuple[list[list[int]], float, float, float]:
     return [o.token_ids for o in outs], per_forward, tokens / wall, paused
 
 
-def best_of(n: int, llm, prompts, gen: int):
-    """The fastest of n identical runs (the first pays warm-up; the machine is shared)."""
-    runs = [run(llm, prompts, gen) for _ in range(n)]
-    return max(runs, key=lambda r: r[2])
+def side_by_side(n: int, base, llm, prompts, gen: int):
+    """n runs of each engine, alternating, so that both see the same machine (it is
+    shared); the fastest run of each counts. -> (base run, speculative run)."""
+    pairs = [(run(base, prompts, gen), run(llm, prompts, gen)) for _ in range(n)]
+    fastest = lambda runs: max(runs, key=lambda r: r[2])  # noqa: E731
+    return fastest([b for b, _ in pairs]), fastest([s for _, s in pairs])
 
 
 def engines_for(model: str, kv: str, ks: list[int]) -> dict:
@@ -109,14 +113,15 @@ def measure(model: str, gen: int, count: int, ks: list[int], repeats: int) -> di
         for name, prompts in loads.items():
             for llm in engines.values():  # warm-up (and the prefix cache) on every engine
                 llm.generate(prompts[:1], None)
-            base = best_of(repeats, engines[0, "off"], prompts, gen)
+            plain = engines[0, "off"]
             for (k, policy), llm in engines.items():
-                got, tpf, tps, paused = base if k == 0 else best_of(repeats, llm, prompts, gen)
+                base, mine = side_by_side(repeats, plain, llm, prompts, gen)
+                got, tpf, tps, paused = base if k == 0 else mine
                 assert got == base[0], f"speculation changed greedy output ({name}, k={k})"
                 rows.append(
                     dict(kv=kv_name, workload=name, k=k, policy=policy, tokens_per_forward=tpf,
-                         tok_s=tps, paused_share=paused, speedup_per_forward=tpf / base[1],
-                         speedup_tok_s=tps / base[2])
+                         tok_s=tps, base_tok_s=base[2], paused_share=paused,
+                         speedup_per_forward=tpf / base[1], speedup_tok_s=tps / base[2])
                 )  # fmt: skip
                 print(
                     f"{kv_name:6} {name:10} k={k} {policy:10} tokens/forward {tpf:.2f} "
@@ -168,7 +173,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--ks", default="1,2,3,4,5")
-    ap.add_argument("--repeats", type=int, default=2, help="runs per cell; the fastest counts")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per cell; the fastest counts")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     from bench.common import RESULTS

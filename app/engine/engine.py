@@ -20,13 +20,14 @@ from app.engine.kv_cache import KVCache
 from app.engine.model_runner import ModelRunner
 from app.engine.outputs import OutputProcessor
 from app.engine.request import Request, RequestDelta
-from app.engine.sampler import GREEDY_EPS, SamplingBatch, sample
+from app.engine.sampler import SamplingBatch, sample
 from app.engine.sampling_params import SamplingParams
 from app.engine.scheduler import Scheduler, SchedulerOutput
 from app.engine.sequence import SeqStatus, Sequence
 from app.engine.shard import budget_blocks, kv_cache_spec, load_rank_model
 from app.engine.spec.deltas import merge_deltas
 from app.engine.spec.factory import extra_block_bytes, make_speculator, uses_mtp
+from app.engine.spec.sampling import plain_greedy
 from app.engine.step import execute, plan_step
 from app.engine.structured.manager import StructuredOutputs
 from app.engine.tp_driver import DriverRunner, ShardedKVCache, min_over_ranks
@@ -254,7 +255,7 @@ class Engine:
             return []
         if self.speculator is not None:
             return self.speculator.verify(logits, sampled)
-        if all(_plain_greedy(s.params) for s in sampled):  # what sample() does, minus the
+        if all(plain_greedy(s.params) for s in sampled):  # what sample() does, minus the
             return [[(t, None)] for t in logits.argmax(-1).tolist()]  # [B] tensors it builds
         batch = SamplingBatch.from_seqs(sampled, logits.shape[-1], logits.device)
         result = sample(logits, batch)
@@ -318,8 +319,3 @@ class Engine:
             "preemptions": self.scheduler.num_preemptions,
             **(self.speculator.stats.as_dict() if self.speculator is not None else {}),
         }
-
-
-def _plain_greedy(p: SamplingParams) -> bool:
-    """Greedy with no penalties and no logprobs: the token is the logits' argmax."""
-    return p.temperature < GREEDY_EPS and not p.has_penalties and p.logprobs is None

@@ -7,8 +7,15 @@ from __future__ import annotations
 import torch
 
 from app.engine.request import TokenLogprob
-from app.engine.sampler import SamplingBatch, sample
+from app.engine.sampler import GREEDY_EPS, SamplingBatch, sample
+from app.engine.sampling_params import SamplingParams
 from app.engine.sequence import Sequence
+
+
+def plain_greedy(p: SamplingParams) -> bool:
+    """Greedy with no penalties and no logprobs: the token is the logits' argmax (what
+    sample() does, minus the [B] tensors it builds; plain decoding takes the same path)."""
+    return p.temperature < GREEDY_EPS and not p.has_penalties and p.logprobs is None
 
 
 def target_tokens(
@@ -20,6 +27,9 @@ def target_tokens(
     Row j samples position num_tokens + j with the noise keyed by (seed, that position): the
     token plain decoding would sample there (one batched call, one host sync)."""
     sizes = [1 + len(s.spec_tokens) for s in seqs]
+    if all(plain_greedy(s.params) for s in seqs):
+        flat = logits.argmax(-1).tolist()
+        return _split(flat, sizes), _split([None] * len(flat), sizes)
     rows = [(seq, j) for seq, size in zip(seqs, sizes) for j in range(size)]
     batch = SamplingBatch.build(
         [seq.params for seq, _ in rows],
@@ -33,9 +43,12 @@ def target_tokens(
         device=logits.device,
     )
     result = sample(logits, batch)
-    tokens, logprobs, start = [], [], 0
+    return _split(result.token_ids, sizes), _split(result.logprobs, sizes)
+
+
+def _split(rows: list, sizes: list[int]) -> list[list]:
+    out, start = [], 0
     for size in sizes:
-        tokens.append(result.token_ids[start : start + size])
-        logprobs.append(result.logprobs[start : start + size])
+        out.append(rows[start : start + size])
         start += size
-    return tokens, logprobs
+    return out

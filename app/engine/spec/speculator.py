@@ -114,6 +114,8 @@ class Speculator:
         self.tally.rows = logits.shape[0]
         self.tally.verified = any(s.spec_tokens for s in seqs)
         target, logprobs = target_tokens(logits, seqs)  # per sequence: k + 1 rows
+        if not self.tally.verified:  # nothing proposed (e.g. paused): plain decoding's tokens
+            return [[(t[0], lp[0])] for t, lp in zip(target, logprobs)]
         k_max = max(len(s.spec_tokens) for s in seqs)
         padded = torch.tensor([t + [0] * (k_max + 1 - len(t)) for t in target])
         proposals = torch.tensor(
