@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import slimserve_kernels
-from app.models.parallel import SINGLE, TPContext
-from app.quant.linear import QuantizedLinear
+from app.models.parallel import SINGLE
+from app.quant.linear import UNSHARDED, LinearRole, QuantizedLinear
 from app.quant.params import copy_loader, loaded_param
 from slimserve_kernels.reference import dequantize_fp8_blocks
 
@@ -44,18 +44,12 @@ class Fp8Linear(QuantizedLinear):
         bias: bool = False,
         params_dtype: torch.dtype | None = None,
         weight_loader=None,
-        tp: TPContext = SINGLE,
-        row_parallel: bool = False,
-        reduce_output: bool = False,
-        gather_output: bool = False,
+        role: LinearRole = UNSHARDED,
     ):
-        super().__init__()
+        super().__init__(in_features, out_features, role)
         n, k = out_features, in_features
-        self.in_features, self.out_features = k, n
         self.block = (int(block[0]), int(block[1]))
         self.params_dtype = params_dtype or torch.get_default_dtype()
-        self.tp, self.row_parallel = tp, row_parallel
-        self.reduce_output, self.gather_output = reduce_output, gather_output
         self._loader = weight_loader or copy_loader
         self.weight_loader = self._loader  # what a later module replacement (INT4) inherits
         scale_shape = (math.ceil(n / self.block[0]), math.ceil(k / self.block[1]))
@@ -69,16 +63,8 @@ class Fp8Linear(QuantizedLinear):
     @classmethod
     def like(cls, layer: nn.Module, block: tuple[int, int]) -> Fp8Linear:
         """An empty Fp8Linear with `layer`'s shape, bias, TP role and weight loader."""
-        from app.models.layers import RowParallelLinear
-
         with torch.device(layer.weight.device):
-            new = cls(
-                layer.in_features,
-                layer.out_features,
-                block,
-                row_parallel=isinstance(layer, RowParallelLinear),
-                **cls.role_of(layer),
-            )
+            new = cls(layer.in_features, layer.out_features, block, **cls.replacing(layer))
         new.shards = output_shards(layer)
         return new
 

@@ -28,9 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import slimserve_kernels
-from app.models.parallel import SINGLE, TPContext
 from app.quant.int4 import SYM_ZERO, Int4Weight
-from app.quant.linear import QuantizedLinear
+from app.quant.linear import UNSHARDED, LinearRole, QuantizedLinear
 from app.quant.params import copy_loader, loaded_param
 
 log = logging.getLogger(__name__)
@@ -103,24 +102,22 @@ class Int4Linear(QuantizedLinear):
         act_order: bool = False,
         params_dtype: torch.dtype | None = None,
         weight_loader=None,
-        tp: TPContext = SINGLE,
-        reduce_output: bool = False,
-        gather_output: bool = False,
+        role: LinearRole = UNSHARDED,
     ):
-        super().__init__()
+        super().__init__(in_features, out_features, role)
+        tp = role.tp
         if in_features % group_size or group_size % 8:
             shard = f" per rank (tensor_parallel_size={tp.size})" if tp.size > 1 else ""
             raise ValueError(
                 f"in_features={in_features}{shard} incompatible with INT4 group {group_size}: "
                 "a group may not straddle ranks, so the group must divide each rank's shard"
             )
-        if act_order and reduce_output and tp.size > 1:
+        if act_order and role.reduce_output and tp.size > 1:
             raise NotImplementedError("act-order INT4 with row-parallel tensor parallelism")
         dtype = params_dtype or torch.get_default_dtype()
         loader = self._invalidating(weight_loader or copy_loader)
         n, k, g = out_features, in_features, group_size
-        self.in_features, self.out_features, self.group_size = k, n, g
-        self.tp, self.reduce_output, self.gather_output = tp, reduce_output, gather_output
+        self.group_size = g
         self.qweight = loaded_param(torch.zeros(n, k // 8, dtype=torch.int32), loader)
         self.scales = loaded_param(torch.ones(n, k // g, dtype=dtype), loader)
         zeros = None if symmetric else torch.full((n, k // g), SYM_ZERO, dtype=torch.uint8)
@@ -158,7 +155,7 @@ class Int4Linear(QuantizedLinear):
                 group_size,
                 symmetric,
                 act_order=act_order,
-                **cls.role_of(layer),
+                **cls.replacing(layer),
             )
 
     @property

@@ -3,6 +3,7 @@ replace (tensor-parallel reduce / gather, bias) around their own `_matmul`."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -11,29 +12,54 @@ from torch import nn
 from app.models.parallel import SINGLE, TPContext
 
 
+@dataclass(frozen=True, slots=True)
+class LinearRole:
+    """The tensor-parallel role of the layer a quantized linear replaces."""
+
+    tp: TPContext = SINGLE
+    row_parallel: bool = False  # input columns split across ranks
+    reduce_output: bool = False  # row parallel: sum the ranks' partial outputs
+    gather_output: bool = False  # column parallel with a gathered output
+
+    @classmethod
+    def of(cls, layer: nn.Module) -> LinearRole:
+        from app.models.layers import RowParallelLinear
+
+        if isinstance(layer, QuantizedLinear):  # replaced again (an FP8 checkpoint -> INT4)
+            return layer.role
+        row = isinstance(layer, RowParallelLinear)
+        return cls(
+            tp=getattr(layer, "tp", SINGLE),
+            row_parallel=row,
+            reduce_output=row and layer.reduce_results,
+            gather_output=getattr(layer, "gather_output", False),
+        )
+
+
+UNSHARDED = LinearRole()  # a layer on one rank
+
+
 class QuantizedLinear(nn.Module):
     """y = x W^T + b for any leading shape of x, W held quantized by the subclass."""
 
-    in_features: int
-    out_features: int
-    tp: TPContext
-    reduce_output: bool  # row parallel: sum the ranks' partial outputs
-    gather_output: bool  # column parallel with a gathered output
     bias: nn.Parameter | None
 
+    def __init__(self, in_features: int, out_features: int, role: LinearRole):
+        super().__init__()
+        self.in_features, self.out_features, self.role = in_features, out_features, role
+        # The role's fields under the names the linear layers use (TP code reads them).
+        self.tp, self.row_parallel = role.tp, role.row_parallel
+        self.reduce_output, self.gather_output = role.reduce_output, role.gather_output
+
     @staticmethod
-    def role_of(layer: nn.Module) -> dict[str, Any]:
+    def replacing(layer: nn.Module) -> dict[str, Any]:
         """The keyword arguments that give a replacement `layer`'s bias, parameter dtype,
         weight loader and tensor-parallel role."""
-        from app.models.layers import RowParallelLinear
-
         return {
             "bias": layer.bias is not None,
             "params_dtype": getattr(layer, "params_dtype", layer.weight.dtype),
             "weight_loader": getattr(layer, "weight_loader", None),
-            "tp": getattr(layer, "tp", SINGLE),
-            "reduce_output": isinstance(layer, RowParallelLinear) and layer.reduce_results,
-            "gather_output": getattr(layer, "gather_output", False),
+            "role": LinearRole.of(layer),
         }
 
     def _columns(self, x: torch.Tensor) -> torch.Tensor:
