@@ -139,7 +139,7 @@ def plot(data: dict, out_dir: str) -> str:
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4), sharey=False)
     for ax, metric, policy, label in (
-        (axes[0], "speedup_per_forward", "cost", "tokens per target forward (x plain)"),
+        (axes[0], "speedup_per_forward", "cost", "tokens per target forward (x plain), cost-aware"),
         (axes[1], "speedup_tok_s", "acceptance", "tok/s (x plain), acceptance backoff only"),
         (axes[2], "speedup_tok_s", "cost", "tok/s (x plain), cost-aware (default)"),
     ):

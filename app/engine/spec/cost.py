@@ -33,8 +33,11 @@ class CostPolicy:
     alpha: float = 0.25  # weight of a new sample in the moving average
     min_samples: int = 4  # steps of a kind before its estimate counts
     margin: float = 1.0  # speculate while verify cost <= margin * plain cost
-    reprobe_every: int = 32  # steps between re-probes of the losing kind (first interval)
-    max_reprobe_every: int = 256  # the interval doubles up to this while the verdict holds
+    reprobe_every: int = 16  # steps between re-probes of the losing kind (first interval)
+    # The interval doubles up to this while the verdict holds. Kept short: the loser's
+    # estimate goes stale (a new workload, other context lengths, machine load), and a
+    # probe costs at most min_samples steps of the dearer kind per interval.
+    max_reprobe_every: int = 64
 
 
 @dataclass(slots=True)
