@@ -57,3 +57,28 @@ def test_tp2_mtp_drafts_like_tp1(tmp_path, monkeypatch):
     assert runs[0][0] == runs[1][0] == plain
     assert len(runs[0][1]) >= len(PROMPTS) * 4
     assert runs[1][1] == runs[0][1]
+
+
+def test_tp2_cost_policy_pauses_and_resumes_with_tp1_tokens(llama_path, want):
+    """The cost policy decides on rank 0 only; worker ranks follow rank 0's plan, whether a
+    step verifies proposals or decodes plainly. On a fake clock (CPU-like, then GPU-like)
+    the TP=2 engine pauses and resumes speculation and still makes TP=1's plain tokens.
+    Seen failing: with the clock left CPU-like for the second run, it verified in 2 steps
+    and paused in 16 (GPU-like: 8 and 4); the token check is the one the other tests in
+    this file saw fail."""
+    from tests.spec.test_cost import cpu_like, gpu_like, timed
+
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    model = {"cost": cpu_like}
+    with make_llm(llama_path, 2, speculative_config=spec) as llm:
+        timed(llm, model)
+        got = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        paused = llm.stats()
+        model["cost"] = gpu_like
+        again = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        resumed = llm.stats()
+    assert got == want and again == want
+    assert paused["spec_cost_pauses"] >= 1 and paused["spec_cost_paused_steps"] > 0
+    verified = resumed["spec_verify_steps"] - paused["spec_verify_steps"]
+    paused_again = resumed["spec_cost_paused_steps"] - paused["spec_cost_paused_steps"]
+    assert resumed["spec_cost_ratio"] < 1.0 and verified > paused_again
