@@ -71,8 +71,12 @@ def overload(app, batch, wants, tokens: int, clients: int, seconds: float) -> di
 KINDS = ("http", "grpc", "cancel", "deadline", "n2", "long")
 
 
-def soak_one(app, rng: random.Random, batch, wants, long_prompt, tokens: int, kinds=KINDS) -> str:
-    """One mixed request -> its outcome label."""
+def soak_one(
+    app, rng, batch, wants, long_prompt, tokens: int, kinds=KINDS, timeout_s: bool = False
+) -> str:
+    """One mixed request -> its outcome label. `long_prompt` is a token list or a function
+    of `rng` giving one (fresh chunks for the store); `timeout_s` also sends each gRPC
+    deadline as GenerateRequest.timeout_s (the open defect, docs/reliability.md)."""
     kind = rng.choice(kinds)
     j = rng.randrange(len(batch))
     if kind in ("http", "grpc"):
@@ -85,15 +89,16 @@ def soak_one(app, rng: random.Random, batch, wants, long_prompt, tokens: int, ki
     if kind == "cancel":
         return _http_cancel(app, batch[j], rng.randrange(1, 4))
     if kind == "deadline":
-        return grpc_deadline(app, batch[j], rng.choice([0.05, 0.2, 0.5]))
+        return grpc_deadline(app, batch[j], rng.choice([0.05, 0.2, 0.5]), timeout_s)
     if kind == "n2":
         body = {"model": "tiny", "prompt": batch[j], "max_tokens": tokens, "n": 2}
         body |= {"temperature": 0.8, "seed": j}
         r = httpx.post(app["url"] + "/v1/completions", json=body, timeout=120)
         return "n2_ok" if r.status_code == 200 and len(r.json()["choices"]) == 2 else "wrong"
+    prompt = long_prompt(rng) if callable(long_prompt) else long_prompt
     r = httpx.post(
         app["url"] + "/v1/completions",
-        json={"model": "tiny", "prompt": long_prompt, "max_tokens": 2},
+        json={"model": "tiny", "prompt": prompt, "max_tokens": 2},
         timeout=120,
     )
     return "long_ok" if r.status_code == 200 else f"long_{r.status_code}"
@@ -131,7 +136,15 @@ def grpc_deadline(app, prompt, timeout: float, in_request: bool = False) -> str:
 
 
 def soak(
-    app, batch, wants, long_prompt, tokens: int, total: int, workers: int = 12, kinds=KINDS
+    app,
+    batch,
+    wants,
+    long_prompt,
+    tokens: int,
+    total: int,
+    workers: int = 12,
+    kinds=KINDS,
+    timeout_s: bool = False,
 ) -> Counter:
     tally: Counter = Counter()
     lock = threading.Lock()
@@ -143,7 +156,7 @@ def soak(
             with lock:
                 if next(todo, None) is None:
                     return
-            kind = soak_one(app, rng, batch, wants, long_prompt, tokens, kinds)
+            kind = soak_one(app, rng, batch, wants, long_prompt, tokens, kinds, timeout_s)
             with lock:
                 if kind.startswith("wrong "):
                     tally[f"detail: {kind[6:]}"] += 1
