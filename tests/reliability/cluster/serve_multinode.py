@@ -5,11 +5,12 @@ multinode.py: it needs its own Ray).
 Layout: a head node with no CPUs (Serve's controller and its one HTTP + gRPC proxy, head
 only: every node of this cluster shares the machine's ports) and three 1-CPU nodes; each
 engine replica asks for one CPU, so prefill and decode land on two different nodes and the
-third is free for a replacement. The ingress and the store shard ask for none (they land
-where Ray puts them; where is reported). STREAMS streams (half HTTP, half gRPC) run when
-the decode replica's node is removed (the prefill replica's if the ingress shares the
-decode node: see pick_victim); each must end with the undisturbed text or a clean
-retriable error. Serve must then replace the replica on another node and serve correctly.
+third is free for a replacement. The ingress is pinned to the head node (left to Serve,
+it shared the decode replica's node in both runs, and that node's loss was the ingress's
+too: docs/reliability.md); the store shard lands where Ray puts it (reported). STREAMS
+streams (half HTTP, half gRPC) run when the decode replica's node is removed; each must end
+with the undisturbed text or a clean retriable error. Serve must then replace the replica on
+another node and serve correctly.
 
     python -m reliability.cluster.serve_multinode MODEL_PATH OUT.json
 """
@@ -26,7 +27,8 @@ from ray.cluster_utils import Cluster
 from ray.serve.config import gRPCOptions
 from ray.util.state import list_actors
 
-from app.serve.build import build_app
+from app.serve import build
+from app.serve.config import ServeArgs
 from app.serve.grpc_gen.slimserve.v1 import generation_pb2_grpc
 from reliability.serve.apps import offline_texts, prompts, wait_until
 from reliability.serve.clients import grpc_stream, http_stream, run_all, tally, wait_idle
@@ -43,6 +45,22 @@ def node_of(name_part: str) -> dict[str, str]:
     return {a.name: a.node_id for a in alive if a.name and name_part in a.name}
 
 
+def pinned_app(cfg: ServeArgs) -> serve.Application:
+    """build_app's disaggregated graph, the same deployments, but the ingress asks for the
+    head node's `ingress` resource, so that a replica's node never holds it."""
+    build.ensure_store(cfg)
+    plain = cfg.model_dump()
+    ingress = build.Ingress.options(
+        ray_actor_options={"num_cpus": 0, "resources": {"ingress": 1}},
+        max_ongoing_requests=cfg.max_ongoing_requests * 4,
+    )
+    prefill = build._engine_deployment(
+        build.PrefillServer, cfg, cfg.num_prefill_replicas, "prefill"
+    )
+    decode = build._engine_deployment(build.DecodeServer, cfg, cfg.num_decode_replicas, "decode")
+    return ingress.bind(plain, prefill=prefill.bind(plain), decode=decode.bind(plain))
+
+
 def start(model: str):
     from grpc_app import free_port
     from serve.apps import tiny_serve_args
@@ -54,21 +72,11 @@ def start(model: str):
         grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=[SERVICER]),
     )
     cfg = tiny_serve_args(model, engine={"dtype": "float32"}, store_name=STORE, replica_num_cpus=1)
-    serve.run(build_app(cfg), name=APP, route_prefix="/")
+    serve.run(pinned_app(ServeArgs(**cfg)), name=APP, route_prefix="/")
     import grpc
 
     channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
     return f"http://127.0.0.1:{http_port}", generation_pb2_grpc.GenerationStub(channel)
-
-
-def pick_victim(placement: dict[str, dict[str, str]]) -> str:
-    """The decode replica, unless the ingress shares its node (then that node's loss is the
-    ingress's too: an open finding, docs/reliability.md); then the prefill replica."""
-    ingress = set(placement["#Ingress#"].values())
-    for name in ("DecodeServer", "PrefillServer"):
-        if not ingress & set(placement[f"#{name}#"].values()):
-            return name
-    raise AssertionError(f"the ingress shares both engine nodes: {placement}")
 
 
 def calls(url, stub, batch):
@@ -88,7 +96,7 @@ def scenario(model: str, cluster: Cluster) -> dict:
     url, stub = start(model)
     wait_until(lambda: http_stream(url, batch[0], 4).error is None, 180, "app answering")
     before = {k: node_of(k) for k in ("#Ingress#", "#PrefillServer#", "#DecodeServer#", STORE)}
-    victim_of = pick_victim(before)
+    victim_of = "DecodeServer"
     (victim_id,) = before[f"#{victim_of}#"].values()
     decode = serve.get_deployment_handle("DecodeServer", APP)
     result: dict = {}
@@ -126,7 +134,9 @@ def scenario(model: str, cluster: Cluster) -> dict:
 
 
 def main(model: str, out_path: str) -> None:
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    cluster = Cluster(
+        initialize_head=True, head_node_args={"num_cpus": 0, "resources": {"ingress": 1}}
+    )
     try:
         ray.init(address=cluster.address, log_to_driver=False)
         result = scenario(model, cluster)

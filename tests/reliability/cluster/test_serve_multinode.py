@@ -1,14 +1,13 @@
-"""The disaggregated Serve app over a multi-node local cluster with an engine replica's node
-removed mid-run (reliability.cluster.serve_multinode, in a subprocess: it starts its own
-Ray): the decode replica's node, or the prefill replica's where the ingress shares the
-decode node (so far it always did). Every stream ends with the undisturbed text or a clean
-retriable error, Serve replaces the replica on a node that is still there, the next requests
-are correct and every block is free.
+"""The disaggregated Serve app over a multi-node local cluster with the decode replica's
+node removed mid-run (reliability.cluster.serve_multinode, in a subprocess: it starts its
+own Ray; the ingress is pinned to the head node). Every stream ends with the undisturbed
+text or a clean retriable error, Serve replaces the replica on a node that is still there,
+the next requests are correct and every block is free.
 
-Seen failing: the first version always removed the decode replica's node, which also held
-the ingress: all 16 streams were wrong by this test's rule (8 gRPC INTERNAL "The actor died
-unexpectedly", 8 HTTP streams cut without a finish reason): the ingress's own loss, an open
-finding in docs/reliability.md, not a replica's."""
+Seen failing: the first version left the ingress's placement to Serve, which put it on the
+decode replica's node: all 16 streams were wrong by this test's rule (8 gRPC INTERNAL "The
+actor died unexpectedly", 8 HTTP streams cut without a finish reason): the ingress's own
+loss, an open finding in docs/reliability.md, not a replica's."""
 
 import json
 import os
@@ -32,5 +31,6 @@ def test_decode_replica_node_removed_mid_run(long_model, tmp_path):
     print(f"serve multinode: {got}")  # docs/reliability.md quotes these
     during = got["during"]
     assert during.get("wrong", 0) == 0 and sum(during.values()) == got["streams"], got
+    assert got["removed_also"] == ["#DecodeServer#"], got  # not the ingress's node
     assert got["removed_node"] not in got["replica_after"], got
     assert got["after"] == {"correct": 8}, got
