@@ -83,7 +83,9 @@ def test_disaggregated_soak_keeps_store_in_budget_and_frees_blocks(app, long_mod
 
     Seen failing: with the eviction loop in KVStore.put removed (the store ignores its
     budget), a 150-request run (SLIMSERVE_SOAK_REQUESTS=150) failed: the shards held
-    139,509 and 139,574 bytes of their 65,536 (own count and summed objects agreed)."""
+    139,509 and 139,574 bytes of their 65,536 (own count and summed objects agreed). With
+    KVStore.put counting half of each chunk's size (an accounting bug the store's own number
+    hides: it reported 62,775 of 65,536), the summed objects (134,866) failed the check."""
     batch = shared_prefix_prompts(8, prefix=64, suffix=40, seed=13)
     wants = offline_texts(long_model, batch, TOKENS)
     long_head = shared_prefix_prompts(1, prefix=256, suffix=0, seed=14)[0]
