@@ -232,15 +232,19 @@ def test_request_ended_before_admission_gives_its_hold_back(llama_path, exported
     """A waiting request that ends without running (as when its grammar fails to compile:
     Engine._end) releases its import hold.
 
-    Seen failing: without the hold check in Engine._finish, 4 blocks stayed pinned."""
+    Seen failing: without the hold check in Engine._finish, 4 blocks stayed pinned.
+    "busy" runs until aborted: with a short one, a slow import (CI under load) became ready
+    in the step that "busy" finished, "a" was admitted and its hold was gone."""
     first, chunks = exported
     engine = make_engine(llama_path, max_num_seqs=1)
-    engine.add_request(Request("busy", PROMPT[::-1], GREEDY))
+    endless = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
+    engine.add_request(Request("busy", PROMPT[::-1], endless))
     engine.step()  # "busy" runs; "a" below must wait (max_num_seqs=1)
     engine.add_request(Request("a", PROMPT + first, GREEDY, kv_import=chunks))
     while not engine.seqs["a"][0].kv_hold.ready:
         engine.step()
     engine._end(engine.seqs["a"][0], "abort")
+    engine.abort("busy")
     drain(engine)
     assert engine.blocks.num_free == engine.blocks.num_blocks and engine.blocks.num_held == 0
 

@@ -24,6 +24,7 @@ from api_app import (
     greedy,
     wait_until_idle,
 )
+from reliability.serve.clients import idle_after_grpc_cancel
 
 from app import SamplingParams
 from app.serve.grpc_gen.slimserve.v1 import generation_pb2 as pb
@@ -134,7 +135,11 @@ def test_tenants_get_their_own_cache_salt(stub):
 
 
 def test_deadline_exceeded_aborts_and_frees_blocks(served, stub):
-    """Seen failing with AsyncEngine's abort made a no-op: blocks held past ABORT_BOUND_S."""
+    """Seen failing with AsyncEngine's abort made a no-op: blocks held past ABORT_BOUND_S.
+    A deadline only (no timeout_s) relies on Serve's proxy passing it on, which it does not
+    always do (docs/reliability.md): idle_after_grpc_cancel xfails naming that when the
+    ingress still streams, fails otherwise, and lets a leftover request end before the
+    next test (a CI run under load had it held by the next two tests)."""
     call = stub.Generate(
         pb.GenerateRequest(text=PROMPT, sampling=LONG), metadata=KEY_A, timeout=1.5
     )
@@ -142,19 +147,20 @@ def test_deadline_exceeded_aborts_and_frees_blocks(served, stub):
         for _ in call:
             pass
     assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    wait_until_idle(served, ABORT_BOUND_S)
+    idle_after_grpc_cancel(APP, [served["engine"]], ABORT_BOUND_S)
 
 
 def test_cancel_mid_stream_aborts_and_frees_blocks(served, stub):
     """Colocated; the disaggregated twin is tests/reliability/serve/test_disaggregated.py.
-    Seen failing with AsyncEngine's abort made a no-op: blocks held past ABORT_BOUND_S."""
+    Seen failing with AsyncEngine's abort made a no-op: blocks held past ABORT_BOUND_S.
+    The proxy may drop the cancel as it may drop a deadline (the test above)."""
     call = stub.Generate(pb.GenerateRequest(text=PROMPT, sampling=LONG), metadata=KEY_A)
     first = [next(call) for _ in range(3)]
     busy = engine_stats(served)
     assert busy["num_running"] == 1 and busy["kv_blocks_free"] < busy["kv_blocks_total"]
     call.cancel()
     assert call.code() == grpc.StatusCode.CANCELLED and len(first) == 3
-    wait_until_idle(served, ABORT_BOUND_S)
+    idle_after_grpc_cancel(APP, [served["engine"]], ABORT_BOUND_S)
 
 
 def test_timeout_s_ends_the_call_and_frees_blocks(served, stub):
