@@ -14,7 +14,6 @@ fail with a retriable Ray error; round 3 runs every prompt again after the loss.
 from __future__ import annotations
 
 import asyncio
-import json
 import sys
 
 import ray
@@ -23,6 +22,7 @@ from ray.exceptions import RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from app.kvstore.store import STORE_NAMESPACE, KVStoreActor, KVStoreClient
+from reliability.cluster.runner import run_scenario
 
 STORE, SHARDS, CAPACITY = "rel-multinode-kv", 2, 32 << 20
 PROMPTS, CHUNK, MAX_TOKENS = 12, 32, 48
@@ -204,15 +204,7 @@ def tally(outcomes: list[dict], wants: list[list[int]]) -> dict:
 
 
 def main(model: str, out_path: str) -> None:
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    try:
-        ray.init(address=cluster.address, log_to_driver=False)
-        result = scenario(model, cluster)
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
-    with open(out_path, "w") as f:
-        json.dump(result, f, indent=1, default=str)
+    run_scenario(scenario, model, out_path, {"num_cpus": 0})
 
 
 if __name__ == "__main__":

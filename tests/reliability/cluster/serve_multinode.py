@@ -17,11 +17,9 @@ another node and serve correctly.
 
 from __future__ import annotations
 
-import json
 import sys
 import threading
 
-import ray
 from ray import serve
 from ray.cluster_utils import Cluster
 from ray.serve.config import gRPCOptions
@@ -30,6 +28,7 @@ from ray.util.state import list_actors
 from app.serve import build
 from app.serve.config import ServeArgs
 from app.serve.grpc_gen.slimserve.v1 import generation_pb2_grpc
+from reliability.cluster.runner import run_scenario
 from reliability.serve.apps import offline_texts, prompts, wait_until
 from reliability.serve.clients import grpc_stream, http_stream, run_all, tally, wait_idle
 
@@ -134,20 +133,8 @@ def scenario(model: str, cluster: Cluster) -> dict:
 
 
 def main(model: str, out_path: str) -> None:
-    cluster = Cluster(
-        initialize_head=True, head_node_args={"num_cpus": 0, "resources": {"ingress": 1}}
-    )
-    try:
-        ray.init(address=cluster.address, log_to_driver=False)
-        result = scenario(model, cluster)
-    finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
-            cluster.shutdown()
-    with open(out_path, "w") as f:
-        json.dump(result, f, indent=1, default=str)
+    head = {"num_cpus": 0, "resources": {"ingress": 1}}  # only the ingress fits on the head
+    run_scenario(scenario, model, out_path, head, before_shutdown=serve.shutdown)
 
 
 if __name__ == "__main__":

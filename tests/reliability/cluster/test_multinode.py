@@ -7,25 +7,16 @@ Seen failing before app/kvstore/store.py treated ActorUnschedulableError as a de
 the shard pinned to the lost node could not be placed again, and every read that touched
 it raised that error (not a RayActorError) instead of missing and recomputing."""
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
-pytestmark = [pytest.mark.long, pytest.mark.ray]
+from reliability.cluster.runner import run_script
 
-TESTS = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+pytestmark = [pytest.mark.long, pytest.mark.ray]
 
 
 def test_store_node_removed_mid_run(llama_path, tmp_path):
     out = tmp_path / "multinode.json"
-    path = os.pathsep.join([TESTS, os.path.dirname(TESTS), os.environ.get("PYTHONPATH", "")])
-    env = os.environ | {"PYTHONPATH": path, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "reliability.cluster.multinode", llama_path, str(out)]
-    subprocess.run(cmd, env=env, check=True, timeout=1200)
-    got = json.loads(out.read_text())
+    got = run_script("reliability.cluster.multinode", llama_path, out)
     print(f"multinode: {got}")  # docs/reliability.md quotes these
     r2 = got["round2"]
     assert r2["wrong"] == 0 and r2["correct"] + r2["clean_error"] == got["prompts"], got

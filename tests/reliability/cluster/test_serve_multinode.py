@@ -9,25 +9,16 @@ decode replica's node: all 16 streams were wrong by this test's rule (8 gRPC INT
 actor died unexpectedly", 8 HTTP streams cut without a finish reason): the ingress's own
 loss, an open finding in docs/reliability.md, not a replica's."""
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
-pytestmark = [pytest.mark.long, pytest.mark.ray]
+from reliability.cluster.runner import run_script
 
-TESTS = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+pytestmark = [pytest.mark.long, pytest.mark.ray]
 
 
 def test_decode_replica_node_removed_mid_run(long_model, tmp_path):
     out = tmp_path / "serve_multinode.json"
-    path = os.pathsep.join([TESTS, os.path.dirname(TESTS), os.environ.get("PYTHONPATH", "")])
-    env = os.environ | {"PYTHONPATH": path, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "reliability.cluster.serve_multinode", long_model, str(out)]
-    subprocess.run(cmd, env=env, check=True, timeout=1200)
-    got = json.loads(out.read_text())
+    got = run_script("reliability.cluster.serve_multinode", long_model, out)
     print(f"serve multinode: {got}")  # docs/reliability.md quotes these
     during = got["during"]
     assert during.get("wrong", 0) == 0 and sum(during.values()) == got["streams"], got
