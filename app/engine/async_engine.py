@@ -1,13 +1,16 @@
 """asyncio front of the engine: step() runs in a worker thread, deltas fan out per request.
 
 add/abort calls from the event loop are queued and applied between steps, so the engine is
-only ever touched by one thread at a time.
+only ever touched by one thread at a time. A step's deltas are handed to their requests'
+sinks synchronously, in one loop over the step's output: `run`'s callers see all of a
+step's deltas before the event loop runs anything else (app/serve/delta_outbox.py batches
+on that), `generate`'s consumers each wake up in turn.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from app.engine.engine import Engine
 from app.engine.request import Request, RequestDelta, RequestError
@@ -16,7 +19,8 @@ from app.engine.request import Request, RequestDelta, RequestError
 class AsyncEngine:
     def __init__(self, engine: Engine):
         self.engine = engine
-        self._queues: dict[str, asyncio.Queue] = {}
+        # request id -> where its deltas (or an exception failing it) go
+        self._sinks: dict[str, Callable[[RequestDelta | BaseException], None]] = {}
         self._commands: list = []
         self._loop_task: asyncio.Task | None = None
         self._wake = asyncio.Event()
@@ -24,26 +28,53 @@ class AsyncEngine:
 
     async def generate(self, request: Request) -> AsyncIterator[RequestDelta]:
         """Streams the request's deltas; cancelling the consumer aborts the request."""
-        if request.request_id in self._queues:
+        queue: asyncio.Queue = asyncio.Queue()
+        self._open(request, queue.put_nowait)
+        try:
+            while True:
+                delta = _checked(await queue.get())
+                yield delta
+                if delta.finished and self._all_done(request, delta):
+                    return
+        finally:
+            self._close(request.request_id)
+
+    async def run(self, request: Request, on_delta: Callable[[RequestDelta], None]) -> None:
+        """Hands each delta to ``on_delta`` synchronously, inside the step's fan-out, and
+        returns after the final one; raises what fails the request. Cancelling aborts it.
+        ``on_delta`` must not raise."""
+        done: asyncio.Future = asyncio.get_running_loop().create_future()
+
+        def sink(item: RequestDelta | BaseException) -> None:
+            if done.done():
+                return
+            try:
+                delta = _checked(item)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                done.set_exception(e)
+                return
+            on_delta(delta)
+            if delta.finished and self._all_done(request, delta):
+                done.set_result(None)
+
+        self._open(request, sink)
+        try:
+            await done
+        finally:
+            self._close(request.request_id)
+
+    def _open(self, request: Request, sink: Callable) -> None:
+        if request.request_id in self._sinks:
             # Refused before anything is touched: taking over the id would strand the
             # running request's stream and abort it.
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request.request_id] = queue
+        self._sinks[request.request_id] = sink
         self._submit(("add", request))
-        try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if item.error is not None:  # only this request failed (e.g. its KV import)
-                    raise RequestError(item.error)
-                yield item
-                if item.finished and self._all_done(request, item):
-                    return
-        finally:
-            if self._queues.pop(request.request_id, None) is not None:
-                self._submit(("abort", request.request_id))
+
+    def _close(self, request_id: str) -> None:
+        if self._sinks.pop(request_id, None) is not None:
+            self._submit(("abort", request_id))
+            self._done.pop(request_id, None)
 
     def abort(self, request_id: str) -> None:
         self._submit(("abort", request_id))
@@ -71,9 +102,9 @@ class AsyncEngine:
             try:
                 self.engine.add_request(arg)
             except Exception as e:  # bad input or overload: only this request fails
-                queue = self._queues.get(arg.request_id)
-                if queue is not None:
-                    queue.put_nowait(e)
+                sink = self._sinks.get(arg.request_id)
+                if sink is not None:
+                    sink(e)
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -87,10 +118,18 @@ class AsyncEngine:
             try:
                 deltas = await loop.run_in_executor(None, self.engine.step)
             except Exception as e:  # the engine is broken (e.g. a TP rank died): fail waiters
-                for queue in self._queues.values():
-                    queue.put_nowait(e)
+                for sink in list(self._sinks.values()):
+                    sink(e)
                 return  # the next request restarts the loop (and fails the same way)
-            for delta in deltas:
-                queue = self._queues.get(delta.request_id)
-                if queue is not None:
-                    queue.put_nowait(delta)
+            for delta in deltas:  # one synchronous fan-out per step (module docstring)
+                sink = self._sinks.get(delta.request_id)
+                if sink is not None:
+                    sink(delta)
+
+
+def _checked(item: RequestDelta | BaseException) -> RequestDelta:
+    if isinstance(item, BaseException):
+        raise item
+    if item.error is not None:  # only this request failed (e.g. its KV import)
+        raise RequestError(item.error)
+    return item

@@ -9,6 +9,8 @@ from collections.abc import AsyncIterator
 from ray import serve
 
 from app.engine.request import Request, RequestDelta
+from app.serve.delta_outbox import stream_to
+from app.serve.delta_wire import ReplyTo, StreamSummary
 from app.serve.engine_replica import EngineReplica
 from app.serve.messages import GenerateRequest
 from app.serve.streaming import coalesce
@@ -19,16 +21,11 @@ class EngineServer(EngineReplica):
     role = "colocated"
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestDelta]:
+        """Streams the deltas back through Serve (`delta_channel: serve`)."""
         host = self.host
         host.inflight_tokens += len(req.prompt_token_ids)
         try:
-            request = Request(
-                req.request_id,
-                req.prompt_token_ids,
-                dataclasses.replace(req.params, n=1),
-                cache_salt=req.cache_salt,
-            )
-            deltas = host.async_engine.generate(request)
+            deltas = host.async_engine.generate(_request(req))
             # Closed explicitly: when Serve closes or drops this generator (a cancelled
             # caller), the engine aborts now, not whenever the garbage collector runs.
             async with contextlib.aclosing(coalesce(deltas, self.args.stream_interval_s)) as s:
@@ -36,3 +33,29 @@ class EngineServer(EngineReplica):
                     yield delta
         finally:
             host.inflight_tokens -= len(req.prompt_token_ids)
+
+    async def generate_to(self, req: GenerateRequest, reply_to: ReplyTo) -> StreamSummary:
+        """Sends the deltas to the ingress's inbox (`delta_channel: socket`, one frame per
+        engine step for all of that ingress's requests); returns once the final delta is
+        on the wire. Serve counts the request as ongoing until then; cancelling this call
+        aborts the engine request at once."""
+        host = self.host
+        link = await self.outbox.link(reply_to)
+        tokens = 0
+
+        def on_delta(delta: RequestDelta) -> None:
+            nonlocal tokens
+            tokens += len(delta.new_token_ids)
+            link.send(delta)
+
+        host.inflight_tokens += len(req.prompt_token_ids)
+        try:
+            await stream_to(link, host.async_engine.run(_request(req), on_delta))
+        finally:
+            host.inflight_tokens -= len(req.prompt_token_ids)
+        return StreamSummary(req.request_id, tokens)
+
+
+def _request(req: GenerateRequest) -> Request:
+    params = dataclasses.replace(req.params, n=1)
+    return Request(req.request_id, req.prompt_token_ids, params, cache_salt=req.cache_salt)

@@ -101,6 +101,12 @@ class ServeArgs(BaseModel):
     # holds later tokens up to this long so they share one (fewer Ray items per token,
     # coarser events; app/serve/streaming.py, docs/performance.md).
     stream_interval_s: float = Field(default=0.0, ge=0, le=1.0)
+    # How deltas get from the engine replicas to the ingress: "socket" sends every
+    # request's deltas of one engine step in one frame over one TCP connection per
+    # (ingress, replica) pair (the ingress listens on its node's IP, ephemeral port, token;
+    # stream_interval_s does not apply); "serve" streams each request through Serve
+    # (for clusters where replicas cannot connect to the ingress's node). docs/performance.md
+    delta_channel: Literal["socket", "serve"] = "serve"
 
     @model_validator(mode="after")
     def _queue_bound(self) -> ServeArgs:

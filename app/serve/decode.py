@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import logging
@@ -10,8 +11,11 @@ from collections.abc import AsyncIterator
 from ray import serve
 
 from app.engine.request import Request, RequestDelta
+from app.serve.delta_outbox import stream_to
+from app.serve.delta_wire import ReplyTo, StreamSummary
 from app.serve.engine_replica import EngineReplica
 from app.serve.messages import DecodeRequest
+from app.serve.metrics import RequestTimer
 from app.serve.streaming import coalesce
 
 log = logging.getLogger(__name__)
@@ -23,36 +27,69 @@ class DecodeServer(EngineReplica):
     uses_store = True
 
     async def generate(self, req: DecodeRequest) -> AsyncIterator[RequestDelta]:
-        """Deltas after the first token. If the prompt's KV cannot be fetched or verified,
-        the engine recomputes what is missing: the tokens are the same either way."""
-        gen, first = req.request, req.prefill.first
-        prompt = gen.prompt_token_ids
-        host = self.host
-        host.inflight_tokens += len(prompt)
+        """Deltas after the first token, streamed back through Serve (`delta_channel:
+        serve`). If the prompt's KV cannot be fetched or verified, the engine recomputes
+        what is missing: the tokens are the same either way."""
+        prompt = req.request.prompt_token_ids
+        self.host.inflight_tokens += len(prompt)
         try:
-            # The tags are checked by the engine's import, in the same pass as its cache
-            # write (app/engine/kv_transfer.py); what it rejects is dropped below.
-            fetched = await host.fetch(req.prefill.chunks, prompt, verify_tag=False)
-            params = gen.params
-            request = Request(
-                gen.request_id,
-                prompt + first.new_token_ids,
-                dataclasses.replace(
-                    params, n=1, max_tokens=params.max_tokens - len(first.new_token_ids)
-                ),
-                cache_salt=gen.cache_salt,
-                kv_import=fetched.chunks or None,
-                prior_output_ids=list(first.new_token_ids),  # a grammar replays them
-            )
-            deltas = self._drop_rejected(host.async_engine.generate(request))
+            request = await self._request(req)
+            deltas = self._drop_rejected(self.host.async_engine.generate(request))
             # timed: inter-token latency on this replica (the first token came from prefill)
-            timed = host.metrics.timed(deltas, len(prompt), count=False, after_first_token=True)
+            metrics = self.host.metrics
+            timed = metrics.timed(deltas, len(prompt), count=False, after_first_token=True)
             # Closed explicitly (see EngineServer.generate): a cancel aborts at once.
             async with contextlib.aclosing(coalesce(timed, self.args.stream_interval_s)) as s:
                 async for delta in s:
                     yield dataclasses.replace(delta, num_prompt_tokens=len(prompt))
         finally:
-            host.inflight_tokens -= len(prompt)
+            self.host.inflight_tokens -= len(prompt)
+
+    async def generate_to(self, req: DecodeRequest, reply_to: ReplyTo) -> StreamSummary:
+        """The same deltas, sent to the ingress's inbox (see EngineServer.generate_to)."""
+        prompt = req.request.prompt_token_ids
+        link = await self.outbox.link(reply_to)
+        timer = RequestTimer(self.host.metrics, len(prompt), count=False, after_first=True)
+        drops: list[asyncio.Task] = []  # store drops of chunks the import rejected
+        tokens, completed = 0, False
+
+        def on_delta(delta: RequestDelta) -> None:
+            nonlocal tokens
+            tokens += len(delta.new_token_ids)
+            timer.on_tokens(len(delta.new_token_ids))
+            if delta.kv_rejected:
+                drops.append(asyncio.ensure_future(self.host.drop_rejected(delta.kv_rejected)))
+            link.send(dataclasses.replace(delta, num_prompt_tokens=len(prompt), kv_rejected=None))
+
+        self.host.inflight_tokens += len(prompt)
+        try:
+            request = await self._request(req)
+            await stream_to(link, self.host.async_engine.run(request, on_delta))
+            completed = True
+        finally:
+            self.host.inflight_tokens -= len(prompt)
+            timer.finish(completed)
+            for failure in await asyncio.gather(*drops, return_exceptions=True):
+                if isinstance(failure, Exception):
+                    log.warning("dropping a rejected chunk from the store failed: %s", failure)
+        return StreamSummary(req.request.request_id, tokens)
+
+    async def _request(self, req: DecodeRequest) -> Request:
+        """The engine request continuing after prefill's first token, with the prompt's KV."""
+        gen, first = req.request, req.prefill.first
+        prompt = gen.prompt_token_ids
+        # The tags are checked by the engine's import, in the same pass as its cache
+        # write (app/engine/kv_transfer.py); what it rejects is dropped after.
+        fetched = await self.host.fetch(req.prefill.chunks, prompt, verify_tag=False)
+        left = gen.params.max_tokens - len(first.new_token_ids)
+        return Request(
+            gen.request_id,
+            prompt + first.new_token_ids,
+            dataclasses.replace(gen.params, n=1, max_tokens=left),
+            cache_salt=gen.cache_salt,
+            kv_import=fetched.chunks or None,
+            prior_output_ids=list(first.new_token_ids),  # a grammar replays them
+        )
 
     async def _drop_rejected(self, deltas: AsyncIterator[RequestDelta]):
         async with contextlib.aclosing(deltas):  # closing us aborts the engine request now

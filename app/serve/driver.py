@@ -1,20 +1,25 @@
 """Drives one normalised request through the engine replicas; shared by both API adapters.
 
-Colocated: one `EngineServer.generate` stream per choice. Disaggregated: `prefill` (first
-token + the prompt's KV as store chunks), then `DecodeServer.generate` for the rest.
-Cancelling a choice's stream cancels the replica call, whose engine aborts the request and
-frees its KV blocks at once.
+Colocated: one `EngineServer` call per choice. Disaggregated: `prefill` (first token + the
+prompt's KV as store chunks), then one `DecodeServer` call for the rest. With the delta
+channel (`delta_channel: socket`, an inbox given) that call is the unary, long-lived
+`generate_to`, whose deltas arrive through the ingress's `DeltaInbox`; otherwise it is the
+Serve stream `generate`. Cancelling a choice cancels the replica call, whose engine aborts
+the request and frees its KV blocks at once.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import contextlib
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from ray.serve.handle import DeploymentHandle
 
 from app.engine.request import RequestDelta
+from app.serve.delta_inbox import DeltaInbox, DeltaQueue
+from app.serve.delta_wire import ReplyTo
 from app.serve.messages import DecodeRequest, GenerateRequest, RoutingInfo
 from app.serve.metrics import ReplicaMetrics
 from app.serve.normalize import EngineInfo, NormalizedRequest
@@ -27,6 +32,9 @@ from app.serve.responses import (
 )
 
 _PLACEMENTS = 1024  # placements kept for the debug view; streams never collect theirs
+# A replica's generate_to returns after its final delta was written to the socket; the
+# frame normally lands first. Past this wait after the return, the choice fails (503).
+FINAL_DELTA_WAIT_S = 10.0
 
 
 async def _stream(response) -> AsyncIterator[Any]:
@@ -69,6 +77,55 @@ async def _assigned(response) -> None:
         raise
 
 
+async def _result(response) -> Any:
+    return await response
+
+
+def _call_ended(call: asyncio.Task, queue: DeltaQueue) -> None:
+    """A `generate_to` call ended: its error fails the choice (after the deltas already
+    queued); a return means the final delta is on its way."""
+    if call.cancelled():
+        return
+    error = call.exception()
+    if error is not None:
+        queue.fail(error)
+    else:
+        queue.expect_final(FINAL_DELTA_WAIT_S)
+
+
+async def _inbox_deltas(
+    inbox: DeltaInbox,
+    request_id: str,
+    start: Callable[[ReplyTo], Any],
+    admission: AdmissionTicket,
+    first: RequestDelta | None = None,
+) -> AsyncIterator[RequestDelta]:
+    """One choice's deltas from the inbox while its unary `generate_to` call (``start``)
+    runs. ``first``: the prefill's first delta, given out once the decode call has a
+    replica (so an overloaded decode deployment still answers 429 before any byte)."""
+    queue = inbox.open(request_id)  # before the call: no delta can be missed
+    response = start(inbox.reply_to)
+    call = asyncio.ensure_future(_result(response))
+    call.add_done_callback(lambda c: _call_ended(c, queue))
+    try:
+        if first is not None:
+            await _assigned(response)
+            admission.admit()
+            yield first
+        while True:
+            delta = await queue.get()
+            admission.admit()  # the engine took it (its refusal would come first)
+            yield delta
+            if delta.finished:
+                break
+        await call
+    finally:
+        inbox.close(request_id)  # its later deltas are dropped
+        if not call.done() and not queue.finished:  # cancelled or failed: abort it
+            response.cancel()
+            call.cancel()
+
+
 class RequestDriver:
     def __init__(
         self,
@@ -77,11 +134,13 @@ class RequestDriver:
         decode: DeploymentHandle | None = None,
         engine: DeploymentHandle | None = None,
         record_placement: bool = False,
+        inbox: DeltaInbox | None = None,
     ):
         assert (engine is None) != (prefill is None and decode is None), "one mode"
         self.metrics = metrics
         self.prefill, self.decode, self.engine = prefill, decode, engine
         self.record_placement = record_placement
+        self.inbox = inbox  # None: deltas come back as Serve streams
         self._info: EngineInfo | None = None
         self.placement: dict[str, dict[str, Any]] = {}  # engine request id -> where it ran
 
@@ -131,6 +190,13 @@ class RequestDriver:
     async def _choice_deltas(
         self, gen: GenerateRequest, admission: AdmissionTicket
     ) -> AsyncIterator[RequestDelta]:
+        if self.engine is not None and self.inbox is not None:
+            start = lambda reply_to: self.engine.generate_to.remote(gen, reply_to)  # noqa: E731
+            deltas = _inbox_deltas(self.inbox, gen.request_id, start, admission)
+            async with contextlib.aclosing(deltas):  # closing us cancels the call at once
+                async for delta in deltas:
+                    yield delta
+            return
         if self.engine is not None:
             response = self.engine.options(stream=True).generate.remote(gen)
             async for delta in _stream(response):
@@ -149,9 +215,15 @@ class RequestDriver:
             yield result.first
             return
         routing = RoutingInfo(gen.routing.num_tokens, gen.routing.chunk_keys, None)
-        decode = self.decode.options(stream=True).generate.remote(
-            DecodeRequest(gen, result, routing)
-        )
+        message = DecodeRequest(gen, result, routing)
+        if self.inbox is not None:
+            start = lambda reply_to: self.decode.generate_to.remote(message, reply_to)  # noqa: E731
+            deltas = _inbox_deltas(self.inbox, gen.request_id, start, admission, result.first)
+            async with contextlib.aclosing(deltas):
+                async for delta in deltas:
+                    yield delta
+            return
+        decode = self.decode.options(stream=True).generate.remote(message)
         await _assigned(decode)  # before the first token goes out: 429 stays possible
         admission.admit()
         yield result.first

@@ -6,6 +6,7 @@ import logging
 import os
 from typing import Any
 
+import ray
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
@@ -15,6 +16,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException
 
 from app.serve.config import ServeArgs
+from app.serve.delta_inbox import DeltaInbox
 from app.serve.driver import RequestDriver
 from app.serve.grpc_servicer import GrpcIngress
 from app.serve.http_input import parse_body, read_limited
@@ -59,7 +61,11 @@ class Ingress(GrpcIngress):  # gRPC adapter: app/serve/grpc_servicer.py
         self.model_name = self.args.served_model_name or os.path.basename(model.rstrip("/"))
         self.tokenizer = Tokenizer.from_path(model)
         metrics = ReplicaMetrics("ingress", self.model_name)  # the client's view
-        self.driver = RequestDriver(metrics, prefill, decode, engine, self.args.allow_routing_hints)
+        inbox = None
+        if self.args.delta_channel == "socket":  # replicas connect here (docs/performance.md)
+            inbox = await DeltaInbox.start(ray.util.get_node_ip_address())
+        hints = self.args.allow_routing_hints
+        self.driver = RequestDriver(metrics, prefill, decode, engine, hints, inbox=inbox)
         self.normalizer = RequestNormalizer(
             self.args, self.model_name, self.tokenizer, self.driver.describe
         )

@@ -1,0 +1,214 @@
+"""The delta channel without Ray: a DeltaInbox and a DeltaOutbox on loopback, fed by the
+real AsyncEngine around a stand-in engine (every running request gets one token a step)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from app.engine.async_engine import AsyncEngine
+from app.engine.request import Request, RequestDelta
+from app.engine.sampling_params import SamplingParams
+from app.serve.delta_inbox import DeltaInbox
+from app.serve.delta_outbox import DeltaOutbox, stream_to
+from app.serve.delta_wire import DeltaChannelError, ReplyTo, encode_frame
+
+
+class StepEngine:
+    """Engine stand-in: each step gives every running request one token; max_tokens ends it."""
+
+    def __init__(self):
+        self.running: dict[str, list] = {}
+        self.aborted: list[str] = []
+        self.steps = 0
+
+    def add_request(self, request: Request) -> None:
+        self.running[request.request_id] = [request, 0]
+
+    def abort(self, request_id: str) -> None:
+        if self.running.pop(request_id, None) is not None:
+            self.aborted.append(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running)
+
+    def step(self) -> list[RequestDelta]:
+        self.steps += 1
+        out = []
+        for rid, state in list(self.running.items()):
+            state[1] += 1
+            n = state[1]
+            done = n >= state[0].sampling_params.max_tokens
+            out.append(RequestDelta(rid, 0, [n], f"t{n} ", done, "length" if done else None))
+            if done:
+                del self.running[rid]
+        return out
+
+
+def request(rid: str, max_tokens: int) -> Request:
+    return Request(rid, [1, 2, 3], SamplingParams(max_tokens=max_tokens))
+
+
+async def read_all(queue) -> list[RequestDelta]:
+    """Every delta of one choice, one get() at a time (no merging: the reader keeps up)."""
+    out = []
+    while not out or not out[-1].finished:
+        out.append(await queue.get())
+    return out
+
+
+def test_a_step_of_n_streams_is_one_frame_and_each_choice_gets_its_tokens_in_order():
+    """Eight requests of ten tokens through AsyncEngine.run -> one link -> the inbox: one
+    frame per engine step (not one per delta), every choice's tokens in order. Seen failing
+    with DeltaLink.send writing each delta at once (80 frames for 10 steps)."""
+
+    async def main():
+        inbox = await DeltaInbox.start()
+        engine, outbox = StepEngine(), DeltaOutbox()
+        async_engine = AsyncEngine(engine)
+        link = await outbox.link(inbox.reply_to)
+        rids = [f"e-{i}" for i in range(8)]
+        queues = [inbox.open(r) for r in rids]
+        runs = [stream_to(link, async_engine.run(request(r, 10), link.send)) for r in rids]
+        got, _ = await asyncio.gather(asyncio.gather(*map(read_all, queues)), asyncio.gather(*runs))
+        for rid in rids:
+            inbox.close(rid)
+        outbox.close()
+        await inbox.stop()
+        return got, engine.steps, link.frames, inbox.frames
+
+    got, steps, sent, received = asyncio.run(main())
+    for deltas in got:
+        assert [t for d in deltas for t in d.new_token_ids] == list(range(1, 11))
+        assert "".join(d.text_delta for d in deltas) == "".join(f"t{i} " for i in range(1, 11))
+    assert steps == 10
+    assert sent == received == steps  # one frame per step for all eight streams
+
+
+def test_a_lagging_consumer_gets_the_queued_deltas_merged():
+    """Frames that arrived while the consumer was away come out as one delta (fewer SSE
+    messages), its tokens and text in order. Seen failing with get() returning one delta."""
+
+    async def main():
+        inbox = await DeltaInbox.start()
+        queue = inbox.open("a")
+        link = await DeltaOutbox().link(inbox.reply_to)
+        for i in range(5):
+            link.send(RequestDelta("a", 0, [i], str(i), i == 4, "length" if i == 4 else None))
+            await link.drained()
+        while not queue.finished:
+            await asyncio.sleep(0.01)
+        merged = await queue.get()
+        link.close()
+        await inbox.stop()
+        return merged
+
+    merged = asyncio.run(main())
+    assert merged.new_token_ids == [0, 1, 2, 3, 4] and merged.text_delta == "01234"
+    assert merged.finished and merged.finish_reason == "length"
+
+
+def test_unknown_and_cancelled_choices_are_dropped_and_nothing_leaks():
+    """Deltas of a choice never opened, or closed (cancelled) before they came, are dropped;
+    the other choice still gets its own; no queue is left once both are closed. Seen
+    failing with _dispatch creating a queue for an unknown id (num_open stayed 1)."""
+
+    async def main():
+        inbox = await DeltaInbox.start()
+        a, b = inbox.open("a"), inbox.open("b")
+        inbox.close("a")  # cancelled
+        link = await DeltaOutbox().link(inbox.reply_to)
+        for rid in ("ghost", "a", "b"):
+            link.send(RequestDelta(rid, 0, [1], "x", True, "stop"))
+        got = await b.get()
+        inbox.close("b")
+        link.close()
+        await inbox.stop()
+        return got, a, inbox.num_open
+
+    got, a, num_open = asyncio.run(main())
+    assert got.request_id == "b" and got.new_token_ids == [1]
+    assert not a.finished  # the cancelled choice's delta never reached its old queue
+    assert num_open == 0
+
+
+def test_a_connection_without_the_token_is_closed_unread():
+    """A client that does not present the inbox's token gets its connection closed and
+    its frames ignored. Seen failing with _admitted returning True."""
+
+    async def main():
+        inbox = await DeltaInbox.start()
+        queue = inbox.open("a")
+        host, port = inbox.reply_to.host, inbox.reply_to.port
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(b"\0" * 16 + encode_frame([RequestDelta("a", 0, [9], "evil", True)]))
+        await writer.drain()
+        closed = await asyncio.wait_for(reader.read(), 10) == b""  # EOF: the inbox hung up
+        writer.close()
+        await inbox.stop()
+        return closed, queue.finished, inbox.frames
+
+    closed, finished, frames = asyncio.run(main())
+    assert closed and not finished and frames == 0
+
+
+def test_a_dropped_connection_fails_its_pending_choices_with_a_retriable_error():
+    """The replica side of a connection goes away mid-stream: the choice gets the deltas
+    that arrived, then DeltaChannelError (mapped to 503 / UNAVAILABLE). Seen failing (the
+    get() hung) with the inbox's closing loop not failing the connection's queues."""
+
+    async def main():
+        inbox = await DeltaInbox.start()
+        queue = inbox.open("a")
+        link = await DeltaOutbox().link(inbox.reply_to)
+        link.send(RequestDelta("a", 0, [1], "x"))
+        first = await queue.get()
+        link.close()
+        with pytest.raises(DeltaChannelError):
+            await asyncio.wait_for(queue.get(), 10)
+        inbox.close("a")
+        await inbox.stop()
+        return first
+
+    assert asyncio.run(main()).new_token_ids == [1]
+
+
+def test_the_ingress_going_away_aborts_the_replicas_engine_requests():
+    """When the inbox closes (ingress gone), stream_to raises DeltaChannelError and the
+    engine request is aborted (its KV blocks freed), not left generating for nobody.
+    Seen failing (hung until the request's 10,000 tokens) without DeltaLink._watch_eof."""
+
+    async def main():
+        inbox = await DeltaInbox.start()
+        queue = inbox.open("a")
+        engine = StepEngine()
+        async_engine = AsyncEngine(engine)
+        link = await DeltaOutbox().link(inbox.reply_to)
+        run = asyncio.ensure_future(
+            stream_to(link, async_engine.run(request("a", 10_000), link.send))
+        )
+        await queue.get()
+        await inbox.stop()
+        with pytest.raises(DeltaChannelError):
+            await asyncio.wait_for(run, 10)
+        await asyncio.sleep(0)  # the abort command is applied by the engine loop
+        for _ in range(100):
+            if engine.aborted:
+                break
+            await asyncio.sleep(0.01)
+        return engine
+
+    engine = asyncio.run(main())
+    assert engine.aborted == ["a"] and not engine.running
+
+
+def test_an_unreachable_inbox_is_a_channel_error():
+    async def main():
+        inbox = await DeltaInbox.start()
+        reply_to = inbox.reply_to
+        await inbox.stop()
+        await DeltaOutbox().link(ReplyTo(reply_to.host, reply_to.port, reply_to.token))
+
+    with pytest.raises(DeltaChannelError, match="cannot reach"):
+        asyncio.run(main())
