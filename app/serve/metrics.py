@@ -82,6 +82,18 @@ SPECS: dict[str, MetricSpec] = {
     "slimserve:spec_decode_num_accepted_tokens": MetricSpec(
         "counter", "Proposed tokens accepted by verification."
     ),
+    # The cost policy (app/engine/spec/cost.py): speculation paused while a verify step costs
+    # more wall time per emitted token than a plain decode step. Share of decode steps
+    # paused = rate(..._paused_steps) / steps; on replicas with `cost_aware` on only.
+    "slimserve:spec_decode_cost_paused_steps": MetricSpec(
+        "counter", "Decode steps in which the cost policy held speculation back."
+    ),
+    "slimserve:spec_decode_cost_pauses": MetricSpec(
+        "counter", "Times the cost policy paused speculation (after learning or a re-probe)."
+    ),
+    "slimserve:spec_decode_cost_ratio": MetricSpec(
+        "gauge", "Verify over plain decode step seconds per emitted token (0: not measured)."
+    ),
     "slimserve:prompt_tokens": MetricSpec("counter", "Prompt tokens of completed choices."),
     "slimserve:generation_tokens": MetricSpec("counter", "Generated tokens."),
 }
@@ -91,6 +103,16 @@ _SPEC_COUNTERS = (  # metric <- Engine.stats() key
     ("slimserve:spec_decode_num_drafts", "spec_verify_steps"),
     ("slimserve:spec_decode_num_draft_tokens", "spec_proposed_tokens"),
     ("slimserve:spec_decode_num_accepted_tokens", "spec_accepted_tokens"),
+    ("slimserve:spec_decode_cost_paused_steps", "spec_cost_paused_steps"),
+    ("slimserve:spec_decode_cost_pauses", "spec_cost_pauses"),
+)
+# Exported only by replicas whose engine runs the cost policy (speculative_config with
+# backoff and cost_aware on, the default), like the spec_decode_* counters only by
+# replicas that speculate; the counters, as every counter, after their first increment.
+COST_POLICY_METRICS = (
+    "slimserve:spec_decode_cost_paused_steps",
+    "slimserve:spec_decode_cost_pauses",
+    "slimserve:spec_decode_cost_ratio",
 )
 _registry: dict[str, Any] = {}  # one Ray metric object per name per process
 
@@ -151,8 +173,10 @@ class ReplicaMetrics:
         self._count("slimserve:prefix_cache_hits", "prefix_cache_hits", stats, block_size, local)
         self._count("slimserve:preemptions", "preemptions", stats, 1, self.tags)
         for name, key in _SPEC_COUNTERS:
-            if key in stats:  # only engines that speculate report these
+            if key in stats:  # only engines that speculate (cost policy: with it on) report these
                 self._count(name, key, stats, 1, self.tags)
+        if "spec_cost_ratio" in stats:
+            _metric("slimserve:spec_decode_cost_ratio").set(stats["spec_cost_ratio"], self.tags)
 
     def _count(self, name: str, key: str, stats: dict, scale: int, tags: dict) -> None:
         value = float(stats[key])
