@@ -62,7 +62,7 @@ class MLAAttention(nn.Module):
                 w = proj.dequantized_weight(proj.params_dtype)
             else:
                 w = proj.weight.detach()
-            w = w.view(self.n_heads, self.nope + self.v_head_dim, self.kv_lora_rank)
+            w = w.reshape(self.n_heads, self.nope + self.v_head_dim, self.kv_lora_rank)
             self._absorbed = (proj, w[:, : self.nope], w[:, self.nope :])
         return self._absorbed[1], self._absorbed[2]
 
