@@ -10,8 +10,10 @@ the CPU each process role used per output token (proxy, ingress, replicas, Ray's
 processes, this client), found by process title. One engine thread everywhere.
 
     python bench/serve_hops.py [--mode colocated|disaggregated] [--levels 1,8,32]
+        [--delta-channel socket|serve] [--depths engine,handle,http]
 
-Writes bench/results/serve_hops_<mode>.json.
+Writes bench/results/serve_hops_<mode>.json (serve_hops_<mode>_<channel>.json when
+--delta-channel is given). The handle depth always streams through Serve (`generate`).
 """
 
 from __future__ import annotations
@@ -155,8 +157,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--mode", default="colocated", choices=["colocated", "disaggregated"])
     ap.add_argument("--levels", default="1,8,32")
     ap.add_argument("--requests-per-stream", type=int, default=3)
+    ap.add_argument("--delta-channel", default=None, choices=["socket", "serve"])
+    ap.add_argument("--depths", default="engine,handle,http")
     ap.add_argument("--out", default=RESULTS)
     args = ap.parse_args(argv)
+    depths = set(args.depths.split(","))
     import ray
     from ray import serve
 
@@ -168,29 +173,36 @@ def main(argv=None) -> dict:
     levels = [int(x) for x in args.levels.split(",")]
     batches = {c: random_prompts(c, max(8, 3 * c), vocab, PROMPT_LEN, PROMPT_LEN) for c in levels}
     rows: dict = {"engine": {}, "handle": {}, "http": {}}
-    for c in levels:
+    for c in levels if "engine" in depths else []:
         rows["engine"][str(c)] = with_cpu(lambda c=c: engine_depth(model, batches[c], c))
         print("engine", c, json.dumps(rows["engine"][str(c)]), flush=True)
     ray.init(include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": PORT})
         app_args = {"mode": args.mode, "engine": {"model": model, "torch_threads": 1}}
+        if args.delta_channel:
+            app_args["delta_channel"] = args.delta_channel
         serve.run(build_app(app_args), name="hops", route_prefix="/")
         url = f"http://127.0.0.1:{PORT}"
         name = os.path.basename(model.rstrip("/"))
         warm = random_prompts(99, 4, vocab, PROMPT_LEN, PROMPT_LEN)
         asyncio.run(closed_loop(url, name, warm, 1, GEN, 120))
         for c in levels:
-            rows["handle"][str(c)] = with_cpu(lambda c=c: handle_depth(args.mode, batches[c], c))
-            print("handle", c, json.dumps(rows["handle"][str(c)]), flush=True)
-            http = lambda c=c: asyncio.run(closed_loop(url, name, batches[c], c, GEN, 300))  # noqa: E731
-            rows["http"][str(c)] = with_cpu(http)
-            print("http", c, json.dumps(rows["http"][str(c)]), flush=True)
+            if "handle" in depths:
+                handle = lambda c=c: handle_depth(args.mode, batches[c], c)  # noqa: E731
+                rows["handle"][str(c)] = with_cpu(handle)
+                print("handle", c, json.dumps(rows["handle"][str(c)]), flush=True)
+            if "http" in depths:
+                http = lambda c=c: asyncio.run(closed_loop(url, name, batches[c], c, GEN, 300))  # noqa: E731
+                rows["http"][str(c)] = with_cpu(http)
+                print("http", c, json.dumps(rows["http"][str(c)]), flush=True)
     finally:
         serve.shutdown()
         ray.shutdown()
     result = {"mode": args.mode, "model": model, "conditions": machine_conditions(), **rows}
-    write_json(f"serve_hops_{args.mode}", result, out_dir=args.out)
+    result["delta_channel"] = args.delta_channel or "default"
+    suffix = f"_{args.delta_channel}" if args.delta_channel else ""
+    write_json(f"serve_hops_{args.mode}{suffix}", result, out_dir=args.out)
     return result
 
 

@@ -106,7 +106,7 @@ class ServeArgs(BaseModel):
     # (ingress, replica) pair (the ingress listens on its node's IP, ephemeral port, token;
     # stream_interval_s does not apply); "serve" streams each request through Serve
     # (for clusters where replicas cannot connect to the ingress's node). docs/performance.md
-    delta_channel: Literal["socket", "serve"] = "serve"
+    delta_channel: Literal["socket", "serve"] = "socket"
 
     @model_validator(mode="after")
     def _queue_bound(self) -> ServeArgs:

@@ -71,6 +71,12 @@ class Ingress(GrpcIngress):  # gRPC adapter: app/serve/grpc_servicer.py
         )
         await self.driver.warm_up()  # routers know their replicas before the first request
 
+    def delta_inbox_stats(self) -> dict[str, int] | None:
+        """Frames received and choices open on this ingress's delta inbox (tests, ops);
+        None with `delta_channel: serve`."""
+        inbox = self.driver.inbox
+        return None if inbox is None else {"frames": inbox.frames, "open": inbox.num_open}
+
     # --- routes -------------------------------------------------------------------
     @api.get("/health")
     async def health(self) -> Response:

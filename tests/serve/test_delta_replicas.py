@@ -1,0 +1,94 @@
+"""The replicas' generate_to without Ray: the Serve deployment classes' own methods over a
+stand-in engine, sending to a real inbox on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+from app.engine.async_engine import AsyncEngine
+from app.engine.request import RequestDelta
+from app.engine.sampling_params import SamplingParams
+from app.serve.colocated import EngineServer
+from app.serve.decode import DecodeServer
+from app.serve.delta_inbox import DeltaInbox
+from app.serve.delta_outbox import DeltaOutbox
+from app.serve.messages import DecodeRequest, GenerateRequest, PrefillResult
+from app.serve.streaming import merge
+from serve.test_delta_channel import StepEngine
+
+
+def _server(cls, engine: StepEngine):
+    server = object.__new__(cls.func_or_class)  # the deployment's class, not started
+    server.outbox = DeltaOutbox()
+    server.host = SimpleNamespace(
+        inflight_tokens=0,
+        async_engine=AsyncEngine(engine),
+        metrics=SimpleNamespace(observe=lambda *a: None, inc=lambda *a: None),
+        fetch=lambda chunks, prompt, **kw: _fetched(),
+    )
+    return server
+
+
+async def _fetched():
+    return SimpleNamespace(chunks=[])
+
+
+def _calls(max_tokens: int):
+    gen = GenerateRequest("r-0", [1, 2, 3], SamplingParams(max_tokens=max_tokens))
+    first = RequestDelta("r-0", 0, [7], "y", finished=True)
+    decode = DecodeRequest(gen, PrefillResult("r-0", first, [], "p"))
+    return [
+        (EngineServer, lambda s, to: s.generate_to(gen, to)),
+        (DecodeServer, lambda s, to: s.generate_to(decode, to)),
+    ]
+
+
+def test_generate_to_sends_every_delta_then_returns_its_summary():
+    """Colocated and decode: the inbox gets the request's tokens in order and its final
+    delta; decode's deltas carry the prompt length."""
+
+    async def main(cls, call):
+        inbox = await DeltaInbox.start()
+        queue = inbox.open("r-0")
+        server = _server(cls, StepEngine())
+        summary = await call(server, inbox.reply_to)  # after the final delta was written
+        got = await asyncio.wait_for(queue.get(), 10)
+        while not got.finished:
+            got = merge(got, await asyncio.wait_for(queue.get(), 10))
+        await inbox.stop()
+        return summary, got, server.host.inflight_tokens
+
+    for cls, call in _calls(max_tokens=5):
+        summary, got, inflight = asyncio.run(main(cls, call))
+        want = 4 if cls is DecodeServer else 5  # decode continues after prefill's token
+        assert summary.num_tokens == want and got.new_token_ids == list(range(1, want + 1))
+        assert got.finished and got.num_prompt_tokens == (3 if cls is DecodeServer else 0)
+        assert inflight == 0
+
+
+def test_cancelling_generate_to_aborts_the_engine_request():
+    """Serve cancels the call when the ingress cancels it: the engine request is aborted
+    (its blocks freed), for colocated and decode alike. Seen failing (the stand-in engine
+    kept the request running) with stream_to not cancelling the engine run."""
+
+    async def main(cls, call):
+        inbox = await DeltaInbox.start()
+        queue = inbox.open("r-0")
+        engine = StepEngine()
+        server = _server(cls, engine)
+        task = asyncio.ensure_future(call(server, inbox.reply_to))
+        await queue.get()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        for _ in range(100):  # the abort command is applied by the engine loop
+            if engine.aborted:
+                break
+            await asyncio.sleep(0.01)
+        await inbox.stop()
+        return engine, server.host.inflight_tokens
+
+    for cls, call in _calls(max_tokens=100_000):
+        engine, inflight = asyncio.run(main(cls, call))
+        assert engine.aborted == ["r-0"] and not engine.running, cls
+        assert inflight == 0
