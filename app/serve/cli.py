@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
+import sys
 import threading
 
 import yaml
 
 GRPC_SERVICERS = "app.serve.grpc_servicer.add_slimserve_grpc_servicers"
+# Who answers on --port / --grpc-port (docs/serving.md "Proxy"): HAProxy forwarding to the
+# Ingress replicas' own HTTP and gRPC servers (Serve's direct ingress), or Serve's Python
+# proxy actor. Ray reads the switch at import in every process, so it is set before Ray starts.
+PROXIES = ("haproxy", "serve")
+DEFAULT_PROXY = "haproxy"
+HAPROXY_ENV = "RAY_SERVE_ENABLE_HA_PROXY"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -21,6 +29,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=9000, help="gRPC API port (0: no gRPC)")
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs for the local Ray")
+    p.add_argument(
+        "--proxy",
+        choices=PROXIES,
+        default=DEFAULT_PROXY,
+        help="haproxy: HAProxy in front of the Ingress replicas' own servers; "
+        "serve: Serve's Python proxy actor (docs/serving.md)",
+    )
     # Every engine option of app/config.py; given flags override the config file's engine:.
     from app.options import OPTIONS, add_engine_arguments
     from app.serve.config import SERVE_DEFAULTS
@@ -45,7 +60,27 @@ def serve_args(args: argparse.Namespace) -> dict:
     return cfg
 
 
+def proxy_env(proxy: str) -> dict[str, str]:
+    """The environment the local Ray must start with for `proxy`."""
+    if proxy not in PROXIES:
+        raise ValueError(f"proxy must be one of {PROXIES}, not {proxy!r}")
+    return {HAPROXY_ENV: "1" if proxy == "haproxy" else "0"}
+
+
+def use_proxy(proxy: str) -> None:
+    """Sets `proxy`'s environment for this process and the Ray it starts (the workers inherit
+    it). Ray Serve copies the switch into module constants at import, so a process that has
+    already imported them with the other value cannot switch."""
+    env = proxy_env(proxy)
+    constants = sys.modules.get("ray.serve._private.constants")
+    wanted = env[HAPROXY_ENV] == "1"
+    if constants is not None and constants.RAY_SERVE_ENABLE_HA_PROXY is not wanted:
+        raise RuntimeError(f"--proxy {proxy}: Ray Serve was imported with the other proxy")
+    os.environ.update(env)
+
+
 def run(args: argparse.Namespace) -> int:
+    use_proxy(args.proxy)
     import ray
     from ray import serve
 
@@ -61,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
     )
     serve.run(build_app(cfg), name="slimserve", route_prefix="/")
     print(f"slimserve: OpenAI API on http://{args.host}:{args.port}/v1 (Ctrl-C stops)")
+    print(f"slimserve: proxy {args.proxy}")
     if args.grpc_port:
         print(f"slimserve: gRPC API (slimserve.v1.Generation) on port {args.grpc_port}")
     stop = threading.Event()

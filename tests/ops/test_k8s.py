@@ -206,6 +206,19 @@ def test_cluster_shape(target):
 
 
 @pytest.mark.parametrize("target", TARGETS)
+def test_every_ray_container_runs_the_cli_default_proxy(target):
+    """Ray reads the proxy switch when each node starts: a head and workers that disagree
+    would split the cluster between HAProxy and Serve's proxy. The value is `slimserve
+    serve`'s default (docs/serving.md "Proxy")."""
+    from app.serve.cli import DEFAULT_PROXY, HAPROXY_ENV, proxy_env
+
+    for name, _, pod in pods(the_service(target)):
+        (container,) = pod["containers"]
+        env = {e["name"]: e.get("value") for e in container.get("env", [])}
+        assert env.get(HAPROXY_ENV) == proxy_env(DEFAULT_PROXY)[HAPROXY_ENV], name
+
+
+@pytest.mark.parametrize("target", TARGETS)
 def test_gpus_only_where_meant(target):
     for name, _, pod in pods(the_service(target)):
         limits = pod["containers"][0]["resources"]["limits"]

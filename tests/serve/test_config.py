@@ -51,3 +51,22 @@ def test_cli_flags_override_the_config_file():
     assert cfg.engine.model == "/models/x" and cfg.engine.kv_cache_dtype == "bf16"
     assert cfg.mode == "colocated" and cfg.num_decode_replicas == 3
     assert cfg.engine.chunk_tokens == 256  # the rest comes from the file
+
+
+def test_proxy_is_fixed_before_ray_serve_is_imported(monkeypatch):
+    """`slimserve serve --proxy` sets Ray's switch for the Ray it starts; once Ray Serve's
+    constants are imported (they copy the switch) the other proxy is refused, not ignored."""
+    from ray.serve._private import constants
+
+    from app.serve.cli import HAPROXY_ENV, proxy_env, use_proxy
+
+    assert proxy_env("haproxy") == {HAPROXY_ENV: "1"} and proxy_env("serve") == {HAPROXY_ENV: "0"}
+    with pytest.raises(ValueError, match="proxy must be one of"):
+        proxy_env("nginx")
+    monkeypatch.delenv(HAPROXY_ENV, raising=False)  # restored after the test
+    imported = "haproxy" if constants.RAY_SERVE_ENABLE_HA_PROXY else "serve"
+    other = "serve" if imported == "haproxy" else "haproxy"
+    with pytest.raises(RuntimeError, match="imported with the other proxy"):
+        use_proxy(other)
+    use_proxy(imported)
+    assert os.environ[HAPROXY_ENV] == proxy_env(imported)[HAPROXY_ENV]

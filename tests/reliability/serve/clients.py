@@ -107,7 +107,8 @@ def idle_after_grpc_cancel(app_name: str, engines: list, timeout_s: float) -> No
     """Every engine replica idle within `timeout_s` of a gRPC cancel or deadline.
 
     Serve's gRPC proxy sometimes does not pass a client's cancel on to the ingress (open
-    defect, docs/reliability.md; `-m long -k crowd` reproduces it): the ingress's Generate
+    defect, docs/reliability.md; `-m long -k crowd` reproduces it; the test session's Ray
+    runs that proxy, while HAProxy mode avoids it: test_haproxy.py): the ingress's Generate
     then still streams when the bound passes, and this xfails naming that. A cancel that
     reached the ingress (its Generate ended) and still left blocks held fails, as does one
     that the ingress lost below its own Generate. Either way it first waits for what still
@@ -124,5 +125,8 @@ def idle_after_grpc_cancel(app_name: str, engines: list, timeout_s: float) -> No
         for handle in engines:
             wait_idle(handle, 180)
         if streaming:
-            pytest.xfail("Serve's gRPC proxy did not cancel the ingress's call (upstream)")
+            pytest.xfail(
+                "Serve's gRPC proxy did not cancel the ingress's call (upstream; "
+                "`slimserve serve --proxy haproxy`, the default, avoids it)"
+            )
         raise

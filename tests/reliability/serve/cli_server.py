@@ -1,0 +1,148 @@
+"""`slimserve serve` in its own process (and its own Ray), as a user starts it.
+
+For what must be fixed before Ray starts, such as the proxy (`--proxy`): the test session's
+shared Ray (`ray_session`) cannot switch it. The server listens on free loopback ports; so do
+the HAProxy helpers Ray would otherwise put on fixed ports (its fallback proxy, stats and
+metrics), so that several runs on one machine never meet. Stopping it checks that no process
+of its tree outlives it (they would escape the session's orphan check once re-parented).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import grpc
+import httpx
+import psutil
+import yaml
+
+from app.serve.grpc_gen.slimserve.v1 import generation_pb2 as pb
+from app.serve.grpc_gen.slimserve.v1 import generation_pb2_grpc
+
+TESTS = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+READY_S, STOP_S = 300.0, 150.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class CliServer:
+    url: str  # http://127.0.0.1:<port>
+    channel: grpc.Channel
+    stub: generation_pb2_grpc.GenerationStub
+    log_path: str
+
+    def engine_stats(self) -> pb.HealthResponse:
+        """The engine replica's counters, asked through the proxy under test (gRPC Health)."""
+        got = self.stub.Health(pb.HealthRequest(), timeout=30)
+        assert got.kv_blocks_total > 0, f"Health carried no engine stats: {got}"  # {} = busy
+        return got
+
+
+def _env(tmp: str) -> dict[str, str]:
+    path = os.pathsep.join([os.path.dirname(TESTS), TESTS, os.environ.get("PYTHONPATH", "")])
+    return os.environ | {
+        "PYTHONPATH": path,
+        "TRITON_INTERPRET": "1",
+        "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(free_port()),
+        "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT": str(free_port()),
+        "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
+        "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()),
+        # An Ingress replica drains >= 30 s before it stops (for outside load balancers);
+        # nothing here needs that, and it would double the module's time.
+        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",
+        # HAProxy's files (config, admin socket) under a short path of this run's own.
+        "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": os.path.join(tmp, "haproxy.cfg"),
+        "RAY_SERVE_HAPROXY_SOCKET_PATH": os.path.join(tmp, "admin.sock"),
+        "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": tmp,
+        "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": os.path.join(tmp, "server-state"),
+        "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": os.path.join(tmp, "metrics.sock"),
+    }
+
+
+@contextlib.contextmanager
+def cli_server(args: dict, proxy: str) -> Iterator[CliServer]:
+    """`slimserve serve --config <args> --proxy <proxy>` on free ports; stopped (SIGTERM,
+    as Ctrl-C would) after, with every process of its tree gone."""
+    tmp = tempfile.mkdtemp(prefix="slimserve-cli-")
+    http_port, grpc_port = free_port(), free_port()
+    config = os.path.join(tmp, "serve.yaml")
+    with open(config, "w") as f:
+        yaml.safe_dump({"applications": [{"args": args}]}, f)
+    cmd = [sys.executable, "-m", "app.cli", "serve", "--config", config, "--proxy", proxy]
+    cmd += ["--port", str(http_port), "--grpc-port", str(grpc_port), "--num-cpus", "2"]
+    log_path = os.path.join(tmp, "serve.log")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(tmp), start_new_session=True
+        )
+    channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
+    server = CliServer(
+        f"http://127.0.0.1:{http_port}",
+        channel,
+        generation_pb2_grpc.GenerationStub(channel),
+        log_path,
+    )
+    try:
+        _wait_ready(proc, server)
+        yield server
+    finally:
+        channel.close()
+        _stop(proc, log_path)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _wait_ready(proc: subprocess.Popen, server: CliServer) -> None:
+    end = time.monotonic() + READY_S
+    while True:
+        assert proc.poll() is None, f"slimserve serve exited: {_tail(server.log_path)}"
+        try:
+            if httpx.get(server.url + "/v1/models", timeout=5).status_code == 200:
+                server.stub.ListModels(pb.ListModelsRequest(), timeout=10)
+                return
+        except (httpx.HTTPError, grpc.RpcError):
+            pass
+        assert time.monotonic() < end, f"not ready in {READY_S} s: {_tail(server.log_path)}"
+        time.sleep(1)
+
+
+def _stop(proc: subprocess.Popen, log_path: str) -> None:
+    tree = psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else []
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=STOP_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the group this test started, nothing else
+        proc.wait()
+        raise AssertionError(f"slimserve serve ignored SIGTERM: {_tail(log_path)}") from None
+    _, alive = psutil.wait_procs(tree, timeout=30)
+    left = [p for p in alive if _running(p)]
+    if left:
+        os.killpg(proc.pid, signal.SIGKILL)
+    assert not left, f"outlived slimserve serve: {[p.pid for p in left]}"
+
+
+def _running(p: psutil.Process) -> bool:
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _tail(path: str, chars: int = 3000) -> str:
+    with open(path, errors="replace") as f:
+        return f.read()[-chars:]
