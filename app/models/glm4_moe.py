@@ -33,10 +33,12 @@ class PartialRotaryEmbedding(nn.Module):
         assert self.rot_dim % 2 == 0 and 0 < self.rot_dim <= head_dim, "bad partial rotary"
         self.rotary = RotaryEmbedding(self.rot_dim, max_pos, theta, scaling)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         r = self.rot_dim
-        q_rot, k_rot = self.rotary(positions, q[..., :r], k[..., :r])
-        return torch.cat((q_rot, q[..., r:]), -1), torch.cat((k_rot, k[..., r:]), -1)
+        return torch.cat((self.rotary.rotate(positions, x[..., :r]), x[..., r:]), -1)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        return self.rotate(positions, q), self.rotate(positions, k)
 
 
 class Glm4MoeForCausalLM(MoECausalLM):

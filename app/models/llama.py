@@ -51,14 +51,17 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(self, positions, x, attn: AttentionFn):  # x: [T, hidden]
-        t, d = x.shape[0], self.head_dim
-        q, k, v = self.qkv_proj(x).split([self.n_heads * d, self.n_kv * d, self.n_kv * d], -1)
-        q, k, v = q.view(t, self.n_heads, d), k.view(t, self.n_kv, d), v.view(t, self.n_kv, d)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        t, d, hq, hkv = x.shape[0], self.head_dim, self.n_heads, self.n_kv
+        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) D]
+        v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
+        if self.q_norm is None:  # q and k side by side: one rotation for both
+            qk = self.rotary.rotate(positions, qkv[:, : (hq + hkv) * d].view(t, hq + hkv, d))
+            q, k = qk.split([hq, hkv], 1)
+        else:
+            q, k = qkv[:, : hq * d].view(t, hq, d), qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d)
+            q, k = self.rotary(positions, self.q_norm(q), self.k_norm(k))
         o = attn(self.layer, q, k, v)  # [T, Hq, D]
-        return self.o_proj(o.reshape(t, self.n_heads * d))
+        return self.o_proj(o.reshape(t, hq * d))
 
 
 class LlamaMLP(nn.Module):

@@ -39,7 +39,11 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for positions [0, max_pos); applied to q/k of shape [T, H, D]."""
+    """cos/sin tables for positions [0, max_pos); applied to q/k of shape [T, H, D].
+
+    One module serves every layer; the rows of the positions it is called with are gathered
+    once and reused while the same positions tensor comes back (the layers of one forward).
+    Callers build a new positions tensor per forward and never write one in place."""
 
     def __init__(self, head_dim: int, max_pos: int, theta: float, scaling=None):
         super().__init__()
@@ -49,10 +53,21 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_pos, D]
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
+        self._rows: tuple | None = None  # (positions, cos [T, 1, D], sin [T, 1, D])
+
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = self._rows
+        if rows is None or rows[0] is not positions:
+            cos = self.cos.index_select(0, positions).unsqueeze(1)
+            rows = self._rows = (positions, cos, self.sin.index_select(0, positions).unsqueeze(1))
+        return rows[1], rows[2]
+
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H, D] (any heads: q, k, or both side by side) -> rotated, x's dtype."""
+        cos, sin = self.tables(positions)
+        xf = x if x.dtype == torch.float32 else x.float()  # a no-op .float() still dispatches
+        out = xf * cos + rotate_half(xf) * sin
+        return out if out.dtype == x.dtype else out.to(x.dtype)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1)
-        q_out = q.float() * cos + rotate_half(q.float()) * sin
-        k_out = k.float() * cos + rotate_half(k.float()) * sin
-        return q_out.to(q.dtype), k_out.to(k.dtype)
+        return self.rotate(positions, q), self.rotate(positions, k)
