@@ -26,9 +26,14 @@ class KVCache:
         self.scales = None
         if scale_shape is not None:
             self.scales = torch.zeros(scale_shape, dtype=spec.dtype.scale, device=device)
+        # every layer's views, made once (a forward asks for each layer's, every step)
+        self._layers = [self._layer_views(i) for i in range(kv_shape[0])]
 
     def layer(self, i: int):
         """(k_cache, v_cache, k_scale, v_scale) views for layer i (MLA: v is k's plane)."""
+        return self._layers[i]
+
+    def _layer_views(self, i: int):
         k, ks = self.kv[i, 0], None if self.scales is None else self.scales[i, 0]
         if self.spec.use_mla:
             return k, k, ks, ks

@@ -96,14 +96,20 @@ def decode_layer(ctx: DecodeContext, q, k, v, k_cache, v_cache, k_scale, v_scale
     if is_fp8(k_cache):
         kv_write(k, v, k_cache, v_cache, k_scale, v_scale, ctx.slots)
     else:
-        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, ctx.slots, k.to(k_cache.dtype))
-        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, ctx.slots, v.to(v_cache.dtype))
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, ctx.slots, _as(k, k_cache.dtype))
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, ctx.slots, _as(v, v_cache.dtype))
     b, hq, d = q.shape
     keys = _gather_rows(k_cache, k_scale, ctx.rows, b, torch.float32).transpose(1, 2)
     values = _gather_rows(v_cache, v_scale, ctx.rows, b, torch.float32).transpose(1, 2)
     hkv = keys.shape[1]
     out = F.scaled_dot_product_attention(
-        q.to(torch.float32).view(b, hkv, hq // hkv, d), keys, values, attn_mask=ctx.mask,
+        _as(q, torch.float32).view(b, hkv, hq // hkv, d), keys, values, attn_mask=ctx.mask,
         scale=sm_scale,
     )  # fmt: skip
-    return out.reshape(b, hq, d).to(q.dtype)
+    return _as(out.reshape(b, hq, d), q.dtype)
+
+
+def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x.to(dtype) without dispatching an op when it is already that dtype (every layer of
+    every decode step calls this several times; a no-op .to() still costs a dispatch)."""
+    return x if x.dtype == dtype else x.to(dtype)
