@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app.models.layers import ParallelLMHead, column_major_linears
+from app.models.layers import ParallelLMHead, RMSNorm, column_major_linears
 from app.models.loader import load_model
 from tiny_models import make_checkpoint
 
@@ -62,3 +62,17 @@ def test_tied_tables_and_narrow_dtypes_keep_their_layout(llama_path):
     assert model.model.embed_tokens.weight.is_contiguous()
     bf16, _ = load_model(llama_path, torch.bfloat16, "cpu")
     assert column_major_linears(bf16) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_matches_the_hf_formula(dtype):
+    """float32 goes through F.rms_norm, narrower dtypes through the written-out form."""
+    norm = RMSNorm(64, 1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(64))
+    x = (torch.randn(5, 3, 64) * 4).to(dtype)
+    xf = x.float()
+    ref = norm.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+    out = norm(x)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
