@@ -116,6 +116,8 @@ class DeltaOutbox:
         the inbox cannot be reached."""
         link = self._links.get(reply_to)
         if link is None or link.error is not None:
+            # Broken links go (an ingress that restarted listens on a new port).
+            self._links = {k: v for k, v in self._links.items() if v.error is None}
             link = self._links[reply_to] = DeltaLink(reply_to)
         await link.connected()
         return link

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import pickle
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from app.engine.request import RequestDelta
 
@@ -33,7 +33,8 @@ class ReplyTo:
 
     host: str
     port: int
-    token: bytes  # TOKEN_BYTES random bytes; the first thing a connection must send
+    # TOKEN_BYTES random bytes; the first thing a connection must send (kept out of reprs)
+    token: bytes = field(repr=False)
 
 
 @dataclass(frozen=True, slots=True)

@@ -212,3 +212,28 @@ def test_an_unreachable_inbox_is_a_channel_error():
 
     with pytest.raises(DeltaChannelError, match="cannot reach"):
         asyncio.run(main())
+
+
+def test_a_broken_link_is_replaced_and_forgotten():
+    """After an ingress goes away, the outbox keeps no link to it, and a new inbox (a
+    restarted ingress) gets a fresh link. Seen failing (two links kept) without the prune
+    in DeltaOutbox.link."""
+
+    async def main():
+        outbox = DeltaOutbox()
+        old = await DeltaInbox.start()
+        link = await outbox.link(old.reply_to)
+        await old.stop()
+        await asyncio.wait_for(link.until_broken(), 10)
+        with pytest.raises(DeltaChannelError):
+            await link.drained()
+        new = await DeltaInbox.start()
+        queue = new.open("a")
+        fresh = await outbox.link(new.reply_to)
+        fresh.send(RequestDelta("a", 0, [5], "z", True, "stop"))
+        got = await asyncio.wait_for(queue.get(), 10)
+        await new.stop()
+        return got, list(outbox._links.values()) == [fresh]
+
+    got, only_fresh = asyncio.run(main())
+    assert got.new_token_ids == [5] and only_fresh
