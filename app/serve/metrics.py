@@ -91,6 +91,15 @@ SPECS: dict[str, MetricSpec] = {
     "slimserve:spec_decode_cost_pauses": MetricSpec(
         "counter", "Times the cost policy paused speculation (after learning or a re-probe)."
     ),
+    "slimserve:spec_decode_cost_resumes": MetricSpec(
+        "counter", "Times the cost policy resumed speculation (a re-probe found it pays)."
+    ),
+    "slimserve:spec_decode_cost_probes": MetricSpec(
+        "counter", "Re-probes of the kind of step the cost policy was not choosing."
+    ),
+    "slimserve:spec_decode_cost_probe_steps": MetricSpec(
+        "counter", "Decode steps the cost policy spent (re)learning a kind's cost."
+    ),
     "slimserve:spec_decode_cost_ratio": MetricSpec(
         "gauge", "Verify over plain decode step seconds per emitted token (0: not measured)."
     ),
@@ -105,6 +114,9 @@ _SPEC_COUNTERS = (  # metric <- Engine.stats() key
     ("slimserve:spec_decode_num_accepted_tokens", "spec_accepted_tokens"),
     ("slimserve:spec_decode_cost_paused_steps", "spec_cost_paused_steps"),
     ("slimserve:spec_decode_cost_pauses", "spec_cost_pauses"),
+    ("slimserve:spec_decode_cost_resumes", "spec_cost_resumes"),
+    ("slimserve:spec_decode_cost_probes", "spec_cost_probes"),
+    ("slimserve:spec_decode_cost_probe_steps", "spec_cost_probe_steps"),
 )
 # Exported only by replicas whose engine runs the cost policy (speculative_config with
 # backoff and cost_aware on, the default), like the spec_decode_* counters only by
@@ -112,6 +124,9 @@ _SPEC_COUNTERS = (  # metric <- Engine.stats() key
 COST_POLICY_METRICS = (
     "slimserve:spec_decode_cost_paused_steps",
     "slimserve:spec_decode_cost_pauses",
+    "slimserve:spec_decode_cost_resumes",
+    "slimserve:spec_decode_cost_probes",
+    "slimserve:spec_decode_cost_probe_steps",
     "slimserve:spec_decode_cost_ratio",
 )
 _registry: dict[str, Any] = {}  # one Ray metric object per name per process

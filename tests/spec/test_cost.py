@@ -11,7 +11,9 @@ import pytest
 from app import LLM, SamplingParams
 from app.engine.spec.cost import CostGovernor, CostPolicy
 
-POLICY = CostPolicy(min_samples=2, reprobe_every=8, max_reprobe_every=32)
+POLICY = CostPolicy(
+    min_samples=2, reprobe_every=8, max_reprobe_every=32, max_paused_reprobe_every=128
+)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
 PROMPTS = [[5, 17, 42, 99, 3, 250, 7], [7, 8, 9, 7, 8, 9, 7, 8], list(range(10, 40))]
 GREEDY = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
@@ -47,32 +49,83 @@ def test_pauses_when_verifying_costs_more_per_token():
     allowed = drive(gov, clock, 200, lambda verified: 2.0 if verified else 1.0)
     assert allowed[:4] == [True, True, False, False]  # learns verify, then plain
     assert sum(allowed[4:]) <= 0.15 * 196  # only the re-probes verify
-    assert gov.pauses >= 2 and gov.paused_steps > 150
-    assert gov.interval == POLICY.max_reprobe_every  # the verdict held: probes got rarer
+    assert gov.pauses == 1 and gov.resumes == 0 and gov.paused_steps > 150
     assert gov.as_dict()["spec_cost_ratio"] == pytest.approx(2.0)
 
 
+def test_probes_back_off_while_speculation_stays_paused():
+    """Each re-probe of a losing speculation costs min_samples verify steps, so while the
+    verdict holds the interval doubles up to max_paused_reprobe_every. Seen failing with
+    the paused cap at max_reprobe_every (the policy before it: interval 32, not 128) and
+    with _end_probe resetting the interval on a confirmed verdict (interval 8; and 38
+    verify steps of 196 in test_pauses_when_verifying_costs_more_per_token)."""
+    clock = Clock()
+    gov = CostGovernor(POLICY, clock)
+    allowed = drive(gov, clock, 1000, lambda verified: 2.0 if verified else 1.0)
+    intervals = [8 * 2**i for i in range(5)]  # 8 .. 128 = max_paused_reprobe_every
+    assert gov.interval == POLICY.max_paused_reprobe_every
+    assert 8 <= gov.probes <= 12  # 5 to reach the cap, then one every ~130 steps
+    assert sum(allowed[4:]) == 2 * gov.probes  # only the probes verify
+    assert gov.probe_steps == 4 + 2 * gov.probes  # learning (2 + 2) and the probes
+    first = [i for i in range(4, 1000) if allowed[i] and not allowed[i - 1]][:5]
+    assert [b - a for a, b in zip(first, first[1:])] == [n + 2 for n in intervals[1:]]
+
+
+def test_speculating_keeps_re_probing_plain_steps_often():
+    """While speculation pays, the interval is capped at max_reprobe_every (a stale plain
+    estimate could keep a losing speculation on). Seen failing with the cap of
+    max_paused_reprobe_every for both verdicts (interval 128, not 32)."""
+    clock = Clock()
+    gov = CostGovernor(POLICY, clock)
+    allowed = drive(gov, clock, 400, lambda verified: 0.6 if verified else 1.0)
+    assert gov.interval == POLICY.max_reprobe_every and gov.probes >= 10
+    assert len(allowed) - sum(allowed) == 2 + 2 * gov.probes  # learning, plain probes
+
+
 def test_keeps_speculating_when_it_pays():
+    """Seen failing with CostGovernor._track counting every turn of the verdict as a pause
+    (the first verdict, speculate, made pauses 1)."""
     clock = Clock()
     gov = CostGovernor(POLICY, clock)
     allowed = drive(gov, clock, 200, lambda verified: 0.6 if verified else 1.0)
     assert sum(allowed[4:]) >= 0.9 * 196  # only the plain re-probes pause it
-    assert gov.pauses == 0 and gov.paused_steps == 0
+    assert gov.pauses == gov.resumes == gov.paused_steps == 0
 
 
 def test_reprobe_wins_speculation_back():
-    """Seen failing: with _reprobe forgetting the winner's estimate instead of the loser's,
-    speculation never came back after the costs turned (no True in 100 steps)."""
+    """After a long pause (interval at its cap) the costs turn: the next probe wins
+    speculation back within max_paused_reprobe_every steps and resets the interval. Seen
+    failing: with _reprobe forgetting the winner's estimate instead of the loser's,
+    speculation never came back after the costs turned (no True in 300 steps)."""
     clock = Clock()
     gov = CostGovernor(POLICY, clock)
     phase = {"verify": 2.0}
-    drive(gov, clock, 100, lambda verified: phase["verify"] if verified else 1.0)
-    assert not gov.allow()
+    drive(gov, clock, 600, lambda verified: phase["verify"] if verified else 1.0)
+    assert not gov.allow() and gov.interval == POLICY.max_paused_reprobe_every
     phase["verify"] = 0.5  # the workload turned repetitive: verifying pays now
-    allowed = drive(gov, clock, 100, lambda verified: phase["verify"] if verified else 1.0)
+    allowed = drive(gov, clock, 300, lambda verified: phase["verify"] if verified else 1.0)
     back = allowed.index(True)
-    assert back <= POLICY.max_reprobe_every
+    assert back <= POLICY.max_paused_reprobe_every
+    wins = drive(gov, clock, 1, lambda verified: phase["verify"] if verified else 1.0)
+    assert wins == [True] and gov.pauses == 1 and gov.resumes == 1
     assert sum(allowed[back : back + 40]) >= 34  # and it stays on (but for plain re-probes)
+
+
+def test_a_won_probe_resets_the_interval():
+    """Seen failing with _end_probe keeping the long interval on an overturned verdict
+    (interval 128 after the win, not 8)."""
+    clock = Clock()
+    gov = CostGovernor(POLICY, clock)
+    phase = {"verify": 2.0}
+    cost = lambda verified: phase["verify"] if verified else 1.0  # noqa: E731
+    drive(gov, clock, 600, cost)
+    phase["verify"] = 0.5
+    for _ in range(POLICY.max_paused_reprobe_every + 1):  # paused until the probe starts
+        if drive(gov, clock, 1, cost) == [True]:
+            break
+    drive(gov, clock, POLICY.min_samples - 1, cost)  # the rest of the probe
+    assert gov.probing is None and gov.speculating
+    assert gov.interval == POLICY.reprobe_every
 
 
 def test_unstarted_or_empty_steps_are_not_measured():

@@ -41,11 +41,18 @@ def test_engine_args_speculative_block_is_validated():
             EngineArgs(speculative_config=bad)
 
 
-COST = {"spec_cost_paused_steps": 30, "spec_cost_pauses": 2, "spec_cost_ratio": 1.5}
+COST = {
+    "spec_cost_paused_steps": 30,
+    "spec_cost_pauses": 2,
+    "spec_cost_resumes": 1,
+    "spec_cost_probes": 3,
+    "spec_cost_probe_steps": 16,
+    "spec_cost_ratio": 1.5,
+}
 
 
 def test_cost_policy_counters_and_ratio_reach_prometheus(recorded):  # noqa: F811
-    """Seen failing with the two cost counters left out of _SPEC_COUNTERS (as before they
+    """Seen failing with the cost counters left out of _SPEC_COUNTERS (as before they
     were exported: [] == [30, 20]) and with on_step not setting the ratio gauge
     ([] == [1.5, 1.25])."""
     m = ReplicaMetrics("colocated", "m")
@@ -54,6 +61,7 @@ def test_cost_policy_counters_and_ratio_reach_prometheus(recorded):  # noqa: F81
     get = lambda name: values(recorded, f"slimserve:spec_decode_cost_{name}", role="colocated")  # noqa: E731
     assert get("paused_steps") == [30, 20]
     assert get("pauses") == [2]  # no increment: nothing recorded
+    assert (get("resumes"), get("probes"), get("probe_steps")) == ([1], [3], [16])
     assert get("ratio") == [1.5, 1.25]
 
 
@@ -79,3 +87,5 @@ def test_an_engine_paused_by_its_cost_policy_exports_its_pauses(recorded, llama_
         stats["spec_cost_pauses"]
     ]
     assert values(recorded, "slimserve:spec_decode_cost_ratio", role="decode")[0] > 1.0
+    probes = values(recorded, "slimserve:spec_decode_cost_probe_steps", role="decode")
+    assert probes == [stats["spec_cost_probe_steps"]] and probes[0] > 0

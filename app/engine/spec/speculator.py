@@ -143,8 +143,10 @@ class Speculator:
     def settle(self, seq: Sequence, num_emitted: int) -> None:
         """After the emitted tokens were appended: the accepted proposals' KV is the
         sequence's; blocks that held only rejected slots go back to the pool."""
-        seq.num_computed_tokens += num_emitted - 1
         self.tally.emitted += num_emitted
+        if not seq.spec_tokens:  # a plain step (e.g. paused): no proposals, nothing to undo
+            return
+        seq.num_computed_tokens += num_emitted - 1
         seq.spec_tokens = []
         self.blocks.commit_full_blocks(seq)
         need = self.blocks.blocks_for(seq.num_tokens)
