@@ -11,19 +11,23 @@ For k = 1..5, with BF16/float32 or FP8 KV, and for two policies side by side:
   emitted token than plain decode steps (app/engine/spec/cost.py);
 output tokens per target forward (per sequence: tokens emitted / forwards the sequence took
 part in, the hardware-independent gain), tokens per second (wall clock, this machine; each
-configuration runs alternately with plain decoding, the fastest of --repeats runs of each
-compared, so both see the same load) and
-the share of decode steps the cost policy paused. Every engine keeps its state across the
-runs (warm-up, repeats, both workloads), as a server would. Greedy output is checked to be
-identical to decoding without speculation in every configuration.
+configuration runs alternately with plain decoding, ABAB, the fastest of --repeats runs of
+each compared, so both see the same load; also the median of the per-pair ratios) and
+the shares of decode steps the cost policy paused and spent probing. Every engine keeps its
+state across the runs (warm-up, repeats, both workloads), as a server would. Greedy output
+is checked to be identical to decoding without speculation in every configuration.
 
     python bench/speculative.py [--model PATH] [--gen 128] [--prompts 4] [--repeats 3]
+    # quick: plain prompts, k = 1..3, the default policy, its own result file
+    python bench/speculative.py --workloads plain --ks 1,2,3 --policies cost \
+        --name speculative_plain
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -54,15 +58,15 @@ def workloads(tokenizer, count: int) -> dict[str, list[list[int]]]:
     }
 
 
-def run(llm, prompts, gen: int) -> tuple[list[list[int]], float, float, float]:
-    """-> (outputs, tokens per target forward per sequence, tokens per second, share of
-    the decode steps that the cost policy paused)."""
+def run(llm, prompts, gen: int) -> tuple[list[list[int]], float, float, float, float]:
+    """-> (outputs, tokens per target forward per sequence, tokens per second, shares of
+    the decode steps that the cost policy paused and spent (re)learning a kind's cost)."""
     from app import SamplingParams
 
     runner = llm.engine.runner
     forwards = steps = 0
     run_plan = runner.run
-    paused = llm.stats().get("spec_cost_paused_steps", 0)
+    before = llm.stats()
 
     def counting(plan):
         nonlocal forwards, steps
@@ -81,57 +85,68 @@ def run(llm, prompts, gen: int) -> tuple[list[list[int]], float, float, float]:
     tokens = sum(len(o.token_ids) for o in outs)
     # the prefill forward of each prompt made its first token: count decode forwards only
     per_forward = (tokens - len(prompts)) / max(1, forwards - len(prompts))
-    paused = (llm.stats().get("spec_cost_paused_steps", 0) - paused) / max(1, steps - 1)
-    return [o.token_ids for o in outs], per_forward, tokens / wall, paused
+    after = llm.stats()
+    share = lambda key: (after.get(key, 0) - before.get(key, 0)) / max(1, steps - 1)  # noqa: E731
+    paused, probing = share("spec_cost_paused_steps"), share("spec_cost_probe_steps")
+    return [o.token_ids for o in outs], per_forward, tokens / wall, paused, probing
 
 
 def side_by_side(n: int, base, llm, prompts, gen: int):
     """n runs of each engine, alternating, so that both see the same machine (it is
-    shared); the fastest run of each counts. -> (base run, speculative run)."""
+    shared); the fastest run of each counts. -> (base run, speculative run, median of the
+    pairs' tok/s ratios, mean probing share of the speculative runs)."""
     pairs = [(run(base, prompts, gen), run(llm, prompts, gen)) for _ in range(n)]
     fastest = lambda runs: max(runs, key=lambda r: r[2])  # noqa: E731
-    return fastest([b for b, _ in pairs]), fastest([s for _, s in pairs])
+    ratio = statistics.median(s[2] / b[2] for b, s in pairs)
+    probing = statistics.fmean(s[4] for _, s in pairs)
+    return fastest([b for b, _ in pairs]), fastest([s for _, s in pairs]), ratio, probing
 
 
-def engines_for(model: str, kv: str, ks: list[int]) -> dict:
+def engines_for(model: str, kv: str, ks: list[int], policies: list[str]) -> dict:
     """(k, policy) -> LLM; k = 0: no speculation."""
     from app import LLM
 
     engines = {(0, "off"): LLM(model, kv_cache_dtype=kv)}
     for k in ks:
-        for policy, cost_aware in POLICIES.items():
+        for policy in policies:
+            cost_aware = POLICIES[policy]
             spec = {"method": "ngram", "num_speculative_tokens": k, "cost_aware": cost_aware}
             engines[k, policy] = LLM(model, kv_cache_dtype=kv, speculative_config=spec)
     return engines
 
 
-def measure(model: str, gen: int, count: int, ks: list[int], repeats: int) -> dict:
+def measure(model: str, gen: int, count: int, ks: list[int], repeats: int, opts) -> dict:
     rows = []
     for kv_name, kv in KV.items():
-        engines = engines_for(model, kv, ks)
+        engines = engines_for(model, kv, ks, opts.policies.split(","))
         loads = workloads(engines[0, "off"].tokenizer, count)
-        for name, prompts in loads.items():
+        for name in opts.workloads.split(","):
+            prompts = loads[name]
             for llm in engines.values():  # warm-up (and the prefix cache) on every engine
                 llm.generate(prompts[:1], None)
             plain = engines[0, "off"]
             for (k, policy), llm in engines.items():
-                base, mine = side_by_side(repeats, plain, llm, prompts, gen)
-                got, tpf, tps, paused = base if k == 0 else mine
+                base, mine, ratio, probing = side_by_side(repeats, plain, llm, prompts, gen)
+                got, tpf, tps, paused, _ = base if k == 0 else mine
+                ratio, probing = (1.0, 0.0) if k == 0 else (ratio, probing)
                 assert got == base[0], f"speculation changed greedy output ({name}, k={k})"
                 rows.append(
                     dict(kv=kv_name, workload=name, k=k, policy=policy, tokens_per_forward=tpf,
                          tok_s=tps, base_tok_s=base[2], paused_share=paused,
-                         speedup_per_forward=tpf / base[1], speedup_tok_s=tps / base[2])
+                         speedup_per_forward=tpf / base[1], speedup_tok_s=tps / base[2],
+                         speedup_tok_s_pair_median=ratio, probing_share=probing)
                 )  # fmt: skip
                 print(
                     f"{kv_name:6} {name:10} k={k} {policy:10} tokens/forward {tpf:.2f} "
-                    f"tok/s {tps:.0f} ({tps / base[2]:.2f}x) paused {paused:.0%}",
+                    f"tok/s {tps:.0f} ({tps / base[2]:.2f}x, pairs {ratio:.2f}x) "
+                    f"paused {paused:.0%} probing {probing:.1%}",
                     flush=True,
                 )
-    return {"model": model, "gen": gen, "prompts": count, "repeats": repeats, "rows": rows}
+    return {"model": model, "gen": gen, "prompts": count, "repeats": repeats, "rows": rows,
+            "workloads": opts.workloads, "policies": opts.policies}  # fmt: skip
 
 
-def plot(data: dict, out_dir: str) -> str:
+def plot(data: dict, out_dir: str, name: str = "speculative") -> str:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -161,7 +176,7 @@ def plot(data: dict, out_dir: str) -> str:
         ax.legend(fontsize=8)
     fig.suptitle("n-gram speculative decoding, default model, greedy")
     fig.tight_layout()
-    path = os.path.join(out_dir, "speculative.png")
+    path = os.path.join(out_dir, f"{name}.png")
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
@@ -174,14 +189,17 @@ def main(argv=None) -> dict:
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--ks", default="1,2,3,4,5")
     ap.add_argument("--repeats", type=int, default=3, help="runs per cell; the fastest counts")
+    ap.add_argument("--workloads", default="repetitive,plain")
+    ap.add_argument("--policies", default="acceptance,cost", help="acceptance and/or cost")
+    ap.add_argument("--name", default="speculative", help="result file name (.json, .png)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     from bench.common import RESULTS
 
     out = args.out or RESULTS
     ks = [int(k) for k in args.ks.split(",")]
-    data = measure(args.model or default_model(), args.gen, args.prompts, ks, args.repeats)
-    print(write_json("speculative", data, out), plot(data, out))
+    data = measure(args.model or default_model(), args.gen, args.prompts, ks, args.repeats, args)
+    print(write_json(args.name, data, out), plot(data, out, args.name))
     return data
 
 
