@@ -97,9 +97,10 @@ class ServeArgs(BaseModel):
     # HTTP bodies above this get 413 before they are parsed or tokenized.
     max_request_bytes: int = Field(default=8 << 20, gt=0)
     request_timeout_s: float = Field(default=300.0, gt=0)
-    # Streaming: tokens queued while the ingress lags always share one delta; > 0 also
-    # holds later tokens up to this long so they share one (fewer Ray items per token,
-    # coarser events; app/serve/streaming.py, docs/performance.md).
+    # Streaming with delta_channel "serve": tokens queued while the ingress lags always
+    # share one delta; > 0 also holds later tokens up to this long so they share one
+    # (fewer Ray items per token, coarser events; app/serve/streaming.py,
+    # docs/performance.md). The socket channel sends a frame per engine step instead.
     stream_interval_s: float = Field(default=0.0, ge=0, le=1.0)
     # How deltas get from the engine replicas to the ingress: "socket" sends every
     # request's deltas of one engine step in one frame over one TCP connection per
