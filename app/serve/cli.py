@@ -88,7 +88,9 @@ def run(args: argparse.Namespace) -> int:
     from app.serve.config import ServeArgs
 
     cfg = ServeArgs(**serve_args(args))
-    ray.init(num_cpus=args.num_cpus, include_dashboard=False)
+    # Always a new local Ray (never one found through RAY_ADDRESS or /tmp/ray): the proxy
+    # switch above only holds for a Ray this process starts.
+    ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False)
     grpc = {"port": args.grpc_port, "grpc_servicer_functions": [GRPC_SERVICERS]}
     serve.start(
         http_options={"host": args.host, "port": args.port},

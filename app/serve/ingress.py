@@ -23,6 +23,7 @@ from app.serve.http_input import parse_body, read_limited
 from app.serve.metrics import ReplicaMetrics
 from app.serve.normalize import RequestNormalizer
 from app.serve.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest
+from app.serve.openapi_schema import json_operation
 from app.serve.replica import resolve_model
 from app.serve.responses import error_from_exception, final_body, sse_chunks
 from app.tokenizer import Tokenizer
@@ -87,11 +88,11 @@ class Ingress(GrpcIngress):  # gRPC adapter: app/serve/grpc_servicer.py
         card = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "slimserve"}
         return JSONResponse({"object": "list", "data": [card]})
 
-    @api.post("/v1/completions")
+    @api.post("/v1/completions", openapi_extra=json_operation(CompletionRequest))
     async def completions(self, http: HTTPRequest) -> Response:
         return await self._serve(http, CompletionRequest)
 
-    @api.post("/v1/chat/completions")
+    @api.post("/v1/chat/completions", openapi_extra=json_operation(ChatCompletionRequest))
     async def chat_completions(self, http: HTTPRequest) -> Response:
         return await self._serve(http, ChatCompletionRequest)
 
