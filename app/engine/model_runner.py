@@ -27,6 +27,7 @@ class BatchInputs:
     positions: torch.Tensor  # [T] int64
     meta: AttentionMetadata
     sample_rows: torch.Tensor  # [S] int64: rows of T sampled (k + 1 with k proposed tokens)
+    every_row: bool = False  # sample_rows is 0..T-1 (a decode step): no row gather needed
 
 
 class ModelRunner:
@@ -54,15 +55,16 @@ class ModelRunner:
         return self.model.compute_logits(self.model(ids, positions, attn))
 
     def inputs(self, plan: StepPlan) -> BatchInputs:
-        meta = AttentionMetadata(
-            slot_mapping=self._t(plan.slot_mapping, torch.long),
-            query_start_loc=self._t(plan.query_start_loc, torch.int32),
-            seq_lens=self._t(plan.seq_lens, torch.int32),
-            block_tables=self._t(plan.block_tables, torch.int32),
-            is_decode=plan.is_decode,
-        )
-        ids, positions = self._t(plan.token_ids, torch.long), self._t(plan.positions, torch.long)
-        return BatchInputs(ids, positions, meta, self._t(plan.sample_rows, torch.long))
+        """Three host->device tensors per step (one per dtype and shape), split into views."""
+        t, s, b = len(plan.token_ids), len(plan.sample_rows), len(plan.seq_lens)
+        longs = [*plan.token_ids, *plan.positions, *plan.slot_mapping, *plan.sample_rows]
+        ids, positions, slots, rows = self._t(longs, torch.long).split([t, t, t, s])
+        ints = self._t([*plan.query_start_loc, *plan.seq_lens], torch.int32)
+        starts, lens = ints.split([len(plan.query_start_loc), b])
+        tables = self._t(plan.block_tables, torch.int32)
+        meta = AttentionMetadata(slots, starts, lens, tables, plan.is_decode)
+        every_row = s == t and plan.sample_rows == list(range(t))
+        return BatchInputs(ids, positions, meta, rows, every_row)
 
     def _t(self, data, dtype) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)
@@ -85,4 +87,4 @@ class ModelRunner:
             self.last_hidden = hidden
         if not len(inp.sample_rows):
             return hidden.new_empty(0, 0, dtype=torch.float32)
-        return self.model.compute_logits(hidden[inp.sample_rows])
+        return self.model.compute_logits(hidden if inp.every_row else hidden[inp.sample_rows])
