@@ -89,11 +89,13 @@ class OurSide:
     name = "slimserve"
 
     def __init__(self, model: str, threads: int = 1):
+        """threads 0: torch's default (every core), what an offline `LLM` user gets."""
         import torch
 
         from app import LLM
 
-        torch.set_num_threads(threads)
+        if threads:
+            torch.set_num_threads(threads)
         self.pid = os.getpid()
         self.llm = LLM(
             model,
@@ -161,8 +163,10 @@ def main(argv=None) -> dict:
         "--threads",
         type=int,
         default=1,
-        help="slimserve's torch threads (vLLM's CPU build on 2 cores uses ~2 cores with one "
-        "OpenMP thread for its model: compare with the cores-used column)",
+        help="slimserve's torch threads, 0: torch's default (every core). vLLM's CPU build "
+        "on 2 cores uses ~2 cores with one OpenMP thread for its model: compare with the "
+        "cores-used column; more than one OpenMP thread collapses on a loaded machine "
+        "(docs/performance.md)",
     )
     args = ap.parse_args(argv)
     from app.config import ModelConfig
@@ -171,6 +175,7 @@ def main(argv=None) -> dict:
     args.vocab = ModelConfig.from_path(model).vocab_size
     conditions = machine_conditions()
     sides: list = [OurSide(model, args.threads)]
+    args.threads = sides[0].info["torch_threads"]  # what the settings and the plot say
     try:
         if not args.no_peer:
             sides.insert(0, PeerSide(model))
