@@ -188,8 +188,16 @@ def test_engine_stops_speculating_when_verify_is_dearer_and_output_is_unchanged(
     in 68 sequence-steps under the CPU-like clock and only 2 steps counted as paused."""
     llm = spec_llm(llama_path)
     timed(llm, {"cost": cpu_like})
+    spec = llm.engine.speculator
+    allowed, lookups = [], []
+    allow, propose = spec.governor.allow, spec.ngram.propose
+    spec.governor.allow = lambda: allowed.append(allow()) or allowed[-1]
+    spec.ngram.propose = lambda *a: lookups.append(1) or propose(*a)
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
     s = llm.stats()
+    # A paused step looks nothing up (seen failing with propose looking up, then dropping
+    # the proposal while paused: 179 lookups for 7 allowed steps of 3 sequences).
+    assert 0 < len(lookups) <= len(PROMPTS) * sum(allowed) < len(PROMPTS) * len(allowed) / 2
     assert s["spec_cost_pauses"] >= 1 and s["spec_cost_ratio"] > 1.0
     assert s["spec_cost_paused_steps"] > 2 * s["spec_verify_steps"] // len(PROMPTS)
     assert s["spec_proposed_tokens"] < 0.4 * unaware["spec_proposed_tokens"]
