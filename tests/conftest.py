@@ -59,6 +59,7 @@ def ray_session():
     if started:
         try:
             ray.init(
+                address="local",  # a new cluster: never join another session's /tmp/ray one
                 num_cpus=4,
                 include_dashboard=False,
                 object_store_memory=512 << 20,
