@@ -64,8 +64,9 @@ def test_tp2_cost_policy_pauses_and_resumes_with_tp1_tokens(llama_path, want):
     step verifies proposals or decodes plainly. On a fake clock (CPU-like, then GPU-like)
     the TP=2 engine pauses and resumes speculation and still makes TP=1's plain tokens.
     Seen failing: with the clock left CPU-like for the second run, it verified in 2 steps
-    and paused in 16 (GPU-like: 8 and 4); the token check is the one the other tests in
-    this file saw fail."""
+    and paused in 16 (GPU-like: 8 and 4), and since re-probes back off while paused, with
+    no resume counted (GPU-like: one); the token check is the one the other tests in this
+    file saw fail."""
     from tests.spec.test_cost import cpu_like, gpu_like, timed
 
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
@@ -80,5 +81,6 @@ def test_tp2_cost_policy_pauses_and_resumes_with_tp1_tokens(llama_path, want):
     assert got == want and again == want
     assert paused["spec_cost_pauses"] >= 1 and paused["spec_cost_paused_steps"] > 0
     verified = resumed["spec_verify_steps"] - paused["spec_verify_steps"]
-    paused_again = resumed["spec_cost_paused_steps"] - paused["spec_cost_paused_steps"]
-    assert resumed["spec_cost_ratio"] < 1.0 and verified > paused_again
+    # Resumed at a re-probe; how soon depends on the re-probe back-off (app/engine/spec/cost.py)
+    assert resumed["spec_cost_resumes"] > paused["spec_cost_resumes"] and verified > 0
+    assert resumed["spec_cost_ratio"] < 1.0

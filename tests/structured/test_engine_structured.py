@@ -79,7 +79,8 @@ def test_max_tokens_cut_off_is_length_never_stop(llm):
         assert o.finish_reason == "length" and len(o.token_ids) == 8
         with pytest.raises(json.JSONDecodeError):
             json.loads(o.text)
-        assert o.text.startswith('{"name": ')  # a prefix of the schema's output
+        # a prefix of the schema's output, however the grammar's tokens cut it
+        assert o.text.startswith('{"name": ') or '{"name": '.startswith(o.text), o.text
 
 
 def test_grammar_end_stops_even_with_ignore_eos(llm):
