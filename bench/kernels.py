@@ -278,7 +278,9 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def run(args, device) -> dict:
+def run(args, device, save=lambda partial: None) -> dict:
+    """The benchmark's result; save(result so far) is called after each section, so a run cut
+    short (a lent GPU's time limit) still leaves what it measured."""
     g = grids(args)
     gen = torch.Generator().manual_seed(0)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float16
@@ -301,10 +303,12 @@ def run(args, device) -> dict:
     )
     hbm = next((v for key, v in HBM_GBPS.items() if key in name), None)
     add_bandwidth(rows, hbm)
-    model_rows = models.bench_gemm(g["model_gemm"], g["model_ms"], device, dtype, time_ms)
-    model_rows += models.bench_moe(
+    save(dict(partial=True, device=name, rows=rows))
+    model_rows = models.bench_moe(
         g["moe"], g["model_ms"], ("bf16", "fp8", "int4"), device, dtype, time_ms
     )
+    save(dict(partial=True, device=name, rows=rows, model_rows=model_rows))
+    model_rows += models.bench_gemm(g["model_gemm"], g["model_ms"], device, dtype, time_ms)
     import triton
 
     return dict(
@@ -333,11 +337,16 @@ def main() -> None:
         raise SystemExit("no CUDA device: run with --cpu-smoke, or on a GPU")
     device = torch.device("cpu" if args.cpu_smoke else "cuda")
     t0 = time.time()
-    result = run(args, device)
-    result["wall_s"] = time.time() - t0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = "kernels_smoke" if args.cpu_smoke else "kernels"
+
+    def save(partial: dict) -> None:
+        partial["wall_s"] = time.time() - t0
+        (out / f"{stem}.json").write_text(json.dumps(partial, indent=1))
+
+    result = run(args, device, save)
+    result["wall_s"] = time.time() - t0
     (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
     plot(result, out / f"{stem}.png")
     models.plot(result, out / f"{stem}_models.png")
