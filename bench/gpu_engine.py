@@ -142,6 +142,29 @@ def bench_config(model: str, name: str, options: dict, batches, gen: int, vocab:
     return rows
 
 
+def teacher_forced(model: str, rows: list[dict], vocab: int) -> None:
+    """agreement_eager: the fraction of a run's greedy tokens that an eager BF16 prefill of
+    (prompt + the tokens before it) also ranks first. Free runs of a random model part at the
+    first near tie; this asks whether each step picked what eager picks from the same prefix
+    (a wrong graph replay or kernel would agree ~never)."""
+    import torch
+
+    from app import LLM
+
+    llm = LLM(model, **COMMON, enforce_eager=True)
+    for r in rows:
+        if r["batch"] != 8:
+            continue
+        same = total = 0
+        for p, out in zip(random_prompts(1000 + r["batch"], r["batch"], vocab), r["tokens"]):
+            picks = llm.engine.score(p + out).argmax(-1)[len(p) - 1 : -1].tolist()
+            same += sum(a == b for a, b in zip(out, picks))
+            total += len(out)
+        r["agreement_eager"] = same / total
+    del llm
+    torch.cuda.empty_cache()
+
+
 def mark_exact(rows: list[dict]) -> None:
     """tokens_equal_eager: this run's greedy tokens == the 'bf16 eager' run's (same model)."""
     ref = {(r["model"], r["batch"]): r["tokens"] for r in rows if r["config"] == "bf16 eager"}
@@ -179,6 +202,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="64 new tokens instead of 128")
     ap.add_argument("--out", default=RESULTS)
     ap.add_argument("--models", default="default,llama-1b")
+    ap.add_argument("--configs", default="", help="comma-separated CONFIGS names (default all)")
     args = ap.parse_args()
     import torch
 
@@ -191,9 +215,14 @@ def main() -> None:
         if model == "llama-1b":
             paths[model] = build_llama_1b("/tmp/slimserve-llama-1b")
         configs = CONFIGS if model != "default" else {k: CONFIGS[k] for k in CONFIGS if "bf16" in k}
+        model_rows = []
         for name, options in configs.items():
+            if args.configs and name not in args.configs.split(","):
+                continue
             for r in bench_config(paths[model], name, options, batches, gen, 4096):
-                rows.append({"model": model, **r})
+                model_rows.append({"model": model, **r})
+        teacher_forced(paths[model], model_rows, 4096)
+        rows += model_rows
     mark_exact(rows)
     result = dict(
         device=torch.cuda.get_device_name(),

@@ -304,10 +304,11 @@ def run(args, device, save=lambda partial: None) -> dict:
     hbm = next((v for key, v in HBM_GBPS.items() if key in name), None)
     add_bandwidth(rows, hbm)
     save(dict(partial=True, device=name, rows=rows))
-    model_rows = models.bench_moe(
-        g["moe"], g["model_ms"], ("bf16", "fp8", "int4"), device, dtype, time_ms
-    )
-    save(dict(partial=True, device=name, rows=rows, model_rows=model_rows))
+    model_rows = []
+    for model, shape in g["moe"].items():
+        kinds = ("bf16", "fp8", "int4")
+        model_rows += models.bench_moe({model: shape}, g["model_ms"], kinds, device, dtype, time_ms)
+        save(dict(partial=True, device=name, rows=rows, model_rows=model_rows))
     model_rows += models.bench_gemm(g["model_gemm"], g["model_ms"], device, dtype, time_ms)
     import triton
 

@@ -62,13 +62,18 @@ def _int4(n: int, k: int, group: int, e: int | None, dtype, gen):
 def _fp8(n: int, k: int, e: int | None, gen):
     """Random e4m3 weight [.., N, K] and 128 x 128 block scales, made on gen's device."""
     lead, dev = (() if e is None else (e,)), gen.device
-    w = (torch.randn(*lead, n, k, generator=gen, device=dev) * 64).clamp(-448, 448)
+    w = torch.empty(*lead, n, k, dtype=torch.float8_e4m3fn, device=dev)
+    for part in w if e is not None else [w]:  # per expert: Kimi K2's fp32 [E, N, K] is 45 GB
+        part.copy_((torch.randn(n, k, generator=gen, device=dev) * 64).clamp(-448, 448))
     s = torch.full((*lead, -(-n // 128), -(-k // 128)), 2.0**-12, device=dev)
-    return w.to(torch.float8_e4m3fn), s
+    return w, s
 
 
 def _dense(shape: tuple, dtype, gen) -> torch.Tensor:
-    return (torch.randn(*shape, generator=gen, device=gen.device) * 0.02).to(dtype)
+    w = torch.empty(shape, dtype=dtype, device=gen.device)
+    for part in w if len(shape) == 3 else [w]:  # per expert: no fp32 copy of all of them
+        part.copy_(torch.randn(part.shape, generator=gen, device=gen.device) * 0.02)
+    return w
 
 
 def moe_weights(kind: str, h: int, inter: int, e: int, dtype, gen):

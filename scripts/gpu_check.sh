@@ -30,6 +30,6 @@ stage() {  # stage NAME SECONDS CMD...: run CMD under a time limit, log to $OUT/
 
 stage tests "${T_TESTS:-200}" "$PY" -m pytest -q -p no:cacheprovider -rfEs \
 	tests/kernels/test_kernels_gpu.py tests/engine/test_cuda_graphs_gpu.py tests/engine/test_engine_gpu.py
-stage gpu_engine "${T_ENGINE:-150}" "$PY" bench/gpu_engine.py --quick --out "$OUT"
+stage gpu_engine "${T_ENGINE:-150}" "$PY" bench/gpu_engine.py --quick --out "$OUT" ${ENGINE_ARGS:-}
 stage kernels "${T_KERNELS:-170}" "$PY" bench/kernels.py --quick --out "$OUT"
 tail -n 3 "$OUT"/*.log

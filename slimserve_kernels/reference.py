@@ -99,8 +99,8 @@ def _attend(q, k, v, sm_scale: float, causal_offset: int | None) -> torch.Tensor
     scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * sm_scale
     if causal_offset is not None:
         sq, sk = q.shape[0], k.shape[0]
-        qpos = torch.arange(sq).unsqueeze(1) + causal_offset
-        mask = torch.arange(sk).unsqueeze(0) > qpos
+        qpos = torch.arange(sq, device=q.device).unsqueeze(1) + causal_offset
+        mask = torch.arange(sk, device=q.device).unsqueeze(0) > qpos
         scores.masked_fill_(mask.unsqueeze(0), float("-inf"))
     probs = scores.softmax(dim=-1)
     return torch.einsum("hqk,khd->qhd", probs, v.float()).to(q.dtype)

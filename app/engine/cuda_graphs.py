@@ -15,6 +15,9 @@ buffers, pads to the smallest bucket >= n and replays that bucket's graph.
   memory is one buffer, not one per bucket; `run` returns a copy of the sampled rows.
 - Fallback (eager): a prefill or mixed step, more sequences than the largest bucket, a
   block table wider than W, or a runner that must keep hidden states (MTP proposers).
+- Not captured at all (`capturable`): models with MoE layers. Their routing sorts tokens by
+  expert with one host sync per layer (the expert counts size the grouped GEMM's grid), which
+  a graph cannot record; found on an H200, where capture failed. They decode eagerly.
 
 `capture` is pluggable: `capture_cuda` records a torch.cuda.CUDAGraph; `capture_eager` only
 re-runs the forward on the static buffers (CPU tests check bucketing, padding and buffer
@@ -30,6 +33,12 @@ import torch
 
 from app.engine.attention import AttentionMetadata
 from app.engine.step import StepPlan
+from app.models.moe import MoE
+
+
+def capturable(model: torch.nn.Module) -> bool:
+    """Whether decode steps of `model` can be recorded as CUDA graphs (no MoE layer)."""
+    return not any(isinstance(m, MoE) for m in model.modules())
 
 
 def bucket_sizes(max_batch: int) -> list[int]:

@@ -14,6 +14,7 @@ import torch
 from app.config import EngineConfig
 from app.engine.attention import backend_ops
 from app.engine.block_manager import BlockManager
+from app.engine.cuda_graphs import capturable
 from app.engine.detokenizer import IncrementalDetokenizer
 from app.engine.fingerprint import eos_token_ids, model_fingerprint
 from app.engine.kv_cache import KVCache
@@ -96,7 +97,8 @@ class Engine:
         if self.tp_group is None:
             self.cache = KVCache(self.kv_spec, num_blocks, self.device)
             self.runner = ModelRunner(args[0], self.cache, *args[1:])
-            if self.device.type == "cuda" and not self.config.enforce_eager:
+            eager = self.config.enforce_eager or not capturable(self.model)
+            if self.device.type == "cuda" and not eager:
                 mc = self.model_config  # decode graphs per batch bucket, before any request
                 max_len, vocab = mc.max_position_embeddings, mc.vocab_size
                 self.runner.enable_graphs(self.config.scheduler.max_num_seqs, max_len, vocab)

@@ -21,7 +21,10 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
     pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="TRITON_INTERPRET=1"),
 ]
-KW = dict(dtype="float32", device="cuda", block_size=16, max_num_seqs=16)
+# A set KV budget: the default (85% of free memory) leaves no room for the test's clones.
+KW = dict(
+    dtype="float32", device="cuda", block_size=16, max_num_seqs=16, kv_cache_memory_bytes=1 << 30
+)
 
 
 class Seq:
