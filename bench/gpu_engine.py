@@ -202,7 +202,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="64 new tokens instead of 128")
     ap.add_argument("--out", default=RESULTS)
     ap.add_argument("--models", default="default,llama-1b")
-    ap.add_argument("--configs", default="", help="comma-separated CONFIGS names (default all)")
+    ap.add_argument("--configs", default="", help="CONFIGS names, spaces as _, comma-separated")
     args = ap.parse_args()
     import torch
 
@@ -217,7 +217,7 @@ def main() -> None:
         configs = CONFIGS if model != "default" else {k: CONFIGS[k] for k in CONFIGS if "bf16" in k}
         model_rows = []
         for name, options in configs.items():
-            if args.configs and name not in args.configs.split(","):
+            if args.configs and name.replace(" ", "_") not in args.configs.split(","):
                 continue
             for r in bench_config(paths[model], name, options, batches, gen, 4096):
                 model_rows.append({"model": model, **r})
