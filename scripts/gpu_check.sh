@@ -1,21 +1,24 @@
 #!/usr/bin/env bash
 # Everything that needs a GPU, as one run of a lent GPU's short time (docs/performance.md,
 # "On a GPU"): the GPU tests, the engine benchmark (CUDA graphs vs eager, INT4 / FP8 weights,
-# FP8 KV) and the kernels benchmark. Each stage has its own time limit and writes to $OUT
-# as it goes, so a stage cut short leaves the others' results.
+# FP8 KV), the kernels benchmark and, when named, the INT4 GEMV sweep. Each stage has its own
+# time limit and writes to $OUT as it goes, so a stage cut short leaves the others' results.
 #
 #   OUT=/tmp/gpu bash scripts/gpu_check.sh            # python3 = a python with torch + triton
+#   STAGES="tests sweep" T_SWEEP=150 OUT=/tmp/gpu bash scripts/gpu_check.sh
 #
 # At most 8 files land in $OUT (a lent machine returns no more).
 set -u
 OUT="${OUT:-/tmp/slimserve-gpu}"
 PY="${PY:-python3}"
+STAGES="${STAGES:-tests gpu_engine kernels}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 stage() {  # stage NAME SECONDS CMD...: run CMD under a time limit, log to $OUT/NAME.log
 	local name=$1 limit=$2
 	shift 2
+	case " $STAGES " in *" $name "*) ;; *) return ;; esac
 	echo "== $name (limit ${limit}s): $*" | tee -a "$OUT/$name.log"
 	local t0=$SECONDS
 	timeout --signal=INT --kill-after=10 "$limit" "$@" >>"$OUT/$name.log" 2>&1
@@ -26,10 +29,11 @@ stage() {  # stage NAME SECONDS CMD...: run CMD under a time limit, log to $OUT/
 	date -u
 	nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
 	"$PY" -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
-} >"$OUT/tests.log" 2>&1
+} >"$OUT/env.log" 2>&1
 
 stage tests "${T_TESTS:-200}" "$PY" -m pytest -q -p no:cacheprovider -rfEs \
 	tests/kernels/test_kernels_gpu.py tests/engine/test_cuda_graphs_gpu.py tests/engine/test_engine_gpu.py
 stage gpu_engine "${T_ENGINE:-150}" "$PY" bench/gpu_engine.py --quick --out "$OUT" ${ENGINE_ARGS:-}
 stage kernels "${T_KERNELS:-170}" "$PY" bench/kernels.py --quick --out "$OUT"
+stage sweep "${T_SWEEP:-150}" "$PY" bench/int4_gemv_sweep.py --out "$OUT"
 tail -n 3 "$OUT"/*.log

@@ -263,7 +263,8 @@ def int4_gemm(
         BLOCK_K=cfg["BLOCK_K"],
     )
     if cfg["path"] == "gemv":
-        _gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), cfg["split_k"])](*args, **meta)
+        grid = (triton.cdiv(n, cfg["BLOCK_N"]), cfg["split_k"])
+        _gemv_kernel[grid](*args, **meta, num_warps=cfg.get("num_warps", 4))
     else:
         grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]), cfg["split_k"])
         prec = "ieee" if x.dtype == torch.float32 else "tf32"
