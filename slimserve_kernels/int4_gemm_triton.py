@@ -196,16 +196,20 @@ def choose_config(m: int, n: int, k: int, num_sms: int = 132) -> dict:
     if m >= DEQUANT_MIN_M:
         return dict(path="dequant", split_k=1)
     if m <= GEMV_MAX_M:
+        # From an H200 sweep (bench/int4_gemv_sweep.py, bench/results/int4_gemv_sweep.json):
+        # 32-wide N tiles, 128 / BM of K and the widest split-K swept (16) were fastest at 6 of
+        # 8 (M, K, N) points (the other two, 4096 x 4096, ran first, while the clocks ramped
+        # up), 1.2-1.4x the first, GPU-less table; the kernel still reads only ~8% of HBM
+        # bandwidth, below cuBLAS BF16 (slimserve_kernels/README.md).
         bm = triton.next_power_of_2(m)  # the [BM, BN, BK] product must fit in registers
-        cfg = dict(path="gemv", BLOCK_M=bm, BLOCK_N=64, BLOCK_K=128 // bm)
-        tiles = triton.cdiv(n, 64)
-    else:
-        bm = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
-        # Chosen so sm_90 cubins do not spill (cuobjdump): <= 254 registers, no stack.
-        big = dict(BLOCK_N=128, BLOCK_K=32, num_warps=8)
-        cfg = dict(path="tiled", BLOCK_M=bm, **(big if bm == 128 else dict(BLOCK_N=64, BLOCK_K=64)))
-        bn = cfg["BLOCK_N"]
-        tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+        bk = 128 // bm
+        split_k = max(1, min(16, triton.cdiv(k, bk)))
+        return dict(path="gemv", BLOCK_M=bm, BLOCK_N=32, BLOCK_K=bk, split_k=split_k)
+    bm = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
+    # Chosen so sm_90 cubins do not spill (cuobjdump): <= 254 registers, no stack.
+    big = dict(BLOCK_N=128, BLOCK_K=32, num_warps=8)
+    cfg = dict(path="tiled", BLOCK_M=bm, **(big if bm == 128 else dict(BLOCK_N=64, BLOCK_K=64)))
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, cfg["BLOCK_N"])
     k_tiles = triton.cdiv(k, cfg["BLOCK_K"])
     cfg["split_k"] = max(1, min(triton.cdiv(2 * num_sms, tiles), k_tiles // 4, 16))
     return cfg
