@@ -1,6 +1,10 @@
 """Fused MoE: two grouped GEMMs over (token, expert) rows sorted by expert and padded per
 expert to BLOCK_M (moe_common.py `align_rows`), so each M tile belongs to one expert.
 
+The padded layout has a fixed size for given shapes (`align_rows`: no host sync), so a decode
+step through these kernels can be recorded as a CUDA graph; tiles past the last expert's
+slice are marked -1 and skip their work.
+
 1. gate+up: `inter[slot] = silu(x[t] @ W_gate[e].T) * (x[t] @ W_up[e].T)`, both halves of
    `w13[e]` in one program (two accumulators), SiLU-and-mul fused before the store.
 2. down:    `out_rows[r] = weight[r] * (inter[slot] @ W2[e].T)` in fp32, at the pair's row.
@@ -64,7 +68,11 @@ def _moe_gemm_kernel(
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    e = tl.load(tile_expert_ptr + pid_m).to(tl.int64)
+    tile_expert = tl.load(tile_expert_ptr + pid_m)
+    # An unused tile (-1: past the last expert's slice; the grid is static, align_rows) runs
+    # no K loop and stores nothing (its rows are all the sentinel).
+    k_end = tl.where(tile_expert < 0, 0, K)
+    e = tl.maximum(tile_expert, 0).to(tl.int64)
     slots = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rows = tl.load(rows_ptr + slots)  # [BM] pair r = t * TOP_K + j; num_pairs = padding
     valid = rows < num_pairs
@@ -74,7 +82,7 @@ def _moe_gemm_kernel(
     w_e, s_e, z_e = w_ptr + e * swe, s_ptr + e * sse, z_ptr + e * sze
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(0, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         amask = valid[:, None] & (offs_k < K)[None, :]
         a = tl.load(a_ptr + a_rows[:, None] * stride_am + offs_k[None, :], mask=amask, other=0.0)

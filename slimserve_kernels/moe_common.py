@@ -89,27 +89,42 @@ def sort_rows(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, list[i
     return order[: sum(counts[:num_experts])], counts[:num_experts]
 
 
+def max_tiles(pairs: int, num_experts: int, block_m: int) -> int:
+    """An upper bound on the BLOCK_M tiles of `align_rows`, from the shapes alone: each active
+    expert pads fewer than block_m rows, and at most min(E, pairs) experts are active."""
+    return -(-pairs // block_m) + min(num_experts, pairs)
+
+
 def align_rows(
     ids: torch.Tensor, num_experts: int, block_m: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (sorted_rows [P] int32, each expert's slice padded to a multiple of block_m with the
-    sentinel T*k; block_expert [P / block_m] int32, the expert of each tile)."""
-    rows, counts = sort_rows(ids, num_experts)
-    sentinel = ids.numel()
-    padded = [-(-c // block_m) * block_m for c in counts]
-    out = torch.full((sum(padded),), sentinel, dtype=torch.int32, device=ids.device)
-    experts = torch.repeat_interleave(
-        torch.arange(num_experts, device=ids.device),
-        torch.tensor(padded, device=ids.device) // block_m,
-    )
-    starts = torch.tensor([0] + padded[:-1], device=ids.device).cumsum(0)
-    within = torch.arange(rows.numel(), device=ids.device) - torch.repeat_interleave(
-        torch.tensor([0] + counts[:-1], device=ids.device).cumsum(0),
-        torch.tensor(counts, device=ids.device),
-    )
-    dest = torch.repeat_interleave(starts, torch.tensor(counts, device=ids.device)) + within
-    out[dest] = rows.to(torch.int32)
-    return out, experts.to(torch.int32)
+    """ids [T, k] -> (sorted_rows [P] int32: this rank's pairs sorted by expert, each expert's
+    slice padded to a multiple of block_m with the sentinel T*k; tile_expert [P / block_m]
+    int32, the expert of each tile, -1 for the unused tiles after the last slice).
+
+    No host sync, so a CUDA graph can record it: P = max_tiles(...) * block_m is fixed by the
+    shapes (the kernels' grid is static; unused tiles do no work) and every step is a tensor
+    op (no bincount, whose CUDA size is data-dependent, no .tolist())."""
+    e, bm, dev = num_experts, block_m, ids.device
+    flat = ids.flatten()
+    pairs = flat.numel()
+    key = torch.where((flat >= 0) & (flat < e), flat, e)  # e: another rank's expert
+    order = key.argsort(stable=True)  # [pairs] grouped by expert, other ranks' last
+    counts = torch.zeros(e + 1, dtype=torch.int64, device=dev).scatter_add_(
+        0, key, torch.ones_like(key)
+    )[:e]
+    padded = (counts + bm - 1) // bm * bm  # [E]
+    pad_end, cnt_end = padded.cumsum(0), counts.cumsum(0)
+    ex = key.index_select(0, order)  # [pairs] expert of each sorted pair
+    exc = ex.clamp(max=e - 1)
+    rank = torch.arange(pairs, device=dev) - (cnt_end - counts).index_select(0, exc)
+    size = max_tiles(pairs, e, bm) * bm
+    slot = torch.where(ex < e, (pad_end - padded).index_select(0, exc) + rank, size)
+    out = torch.full((size + 1,), pairs, dtype=torch.int32, device=dev)  # + a dummy slot
+    out[slot] = order.to(torch.int32)  # other ranks' pairs all land in the dummy slot
+    starts = torch.arange(0, size, bm, device=dev)
+    tile_expert = torch.searchsorted(pad_end, starts, right=True)  # slice holding the tile
+    return out[:size], torch.where(tile_expert < e, tile_expert, -1).to(torch.int32)
 
 
 def fused_moe_torch(

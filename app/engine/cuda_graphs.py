@@ -15,9 +15,10 @@ buffers, pads to the smallest bucket >= n and replays that bucket's graph.
   memory is one buffer, not one per bucket; `run` returns a copy of the sampled rows.
 - Fallback (eager): a prefill or mixed step, more sequences than the largest bucket, a
   block table wider than W, or a runner that must keep hidden states (MTP proposers).
-- Not captured at all (`capturable`): models with MoE layers. Their routing sorts tokens by
-  expert with one host sync per layer (the expert counts size the grouped GEMM's grid), which
-  a graph cannot record; found on an H200, where capture failed. They decode eagerly.
+- Not captured at all (`capturable`): models with an MoE layer on the per-expert loop (it
+  reads the expert counts on the host, which a graph cannot record; an H200 run found capture
+  failing there when the fused kernels did too). The fused MoE path sizes its padded layout
+  from the shapes alone (slimserve_kernels/moe_common.py `align_rows`), so it is captured.
 
 `capture` is pluggable: `capture_cuda` records a torch.cuda.CUDAGraph; `capture_eager` only
 re-runs the forward on the static buffers (CPU tests check bucketing, padding and buffer
@@ -37,8 +38,10 @@ from app.models.moe import MoE
 
 
 def capturable(model: torch.nn.Module) -> bool:
-    """Whether decode steps of `model` can be recorded as CUDA graphs (no MoE layer)."""
-    return not any(isinstance(m, MoE) for m in model.modules())
+    """Whether decode steps of `model` can be recorded as CUDA graphs: every MoE layer runs
+    the fused kernels (no host sync), none the per-expert loop."""
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    return all(m.use_fused and m.fused_weights() is not None for m in moes)
 
 
 def bucket_sizes(max_batch: int) -> list[int]:

@@ -122,5 +122,26 @@ def test_align_rows_pads_each_expert_to_the_tile():
     ids = torch.tensor([[2, 0], [2, 7], [0, 2]])  # expert 7 is another rank's
     rows, tiles = align_rows(ids, 3, 4)
     s = ids.numel()
-    assert rows.tolist() == [1, 4, s, s, 0, 2, 5, s]  # expert 0: rows 1, 4; expert 2: 0, 2, 5
-    assert tiles.tolist() == [0, 2]
+    # expert 0: rows 1, 4; expert 2: 0, 2, 5; then unused tiles up to the static bound
+    # (cdiv(6, 4) + min(3, 6) = 5 tiles), marked -1.
+    assert rows.tolist() == [1, 4, s, s, 0, 2, 5, s] + [s] * 12
+    assert tiles.tolist() == [0, 2, -1, -1, -1]
+
+
+def test_align_rows_never_syncs_with_the_host(monkeypatch):
+    """A CUDA graph cannot record a read of a tensor's value on the host: align_rows (and the
+    layout's size) must come from tensor ops and shapes alone. Every host read raises here."""
+    gen = torch.Generator().manual_seed(5)
+    _, ids = routing(40, 24, 6, gen)
+    want_rows, want_tiles = align_rows(ids, 24, 16)
+
+    def host_read(*a, **k):
+        raise AssertionError("align_rows read a tensor's value on the host")
+
+    for name in ("tolist", "item", "__int__", "__bool__", "__index__", "numpy"):
+        monkeypatch.setattr(torch.Tensor, name, host_read)
+    rows, tiles = align_rows(ids, 24, 16)
+    monkeypatch.undo()
+    assert torch.equal(rows, want_rows) and torch.equal(tiles, want_tiles)
+    unused = tiles.tolist().count(-1)
+    assert 0 < unused < len(tiles)  # some unused tiles at the end, not all
