@@ -8,7 +8,9 @@ Two models:
   kernels, so it measures launch overhead, the case CUDA graphs exist for;
 - `llama-1b`: a random Llama at TinyLlama-1.1B's shapes (hidden 2048, 22 layers, 32 / 4
   heads, head_dim 64, intermediate 5632) built here with `transformers` on the GPU, with the
-  default model's tokenizer (so its vocabulary is 4,096, not 32,000: the LM head is small).
+  default model's tokenizer (so its vocabulary is 4,096, not 32,000: the LM head is small);
+- `glm-moe`: a random GLM-4.5-style MoE (8 layers, the first dense, 64 experts of 512,
+  top-8, one shared expert, hidden 2048), the same way.
 
 Each configuration runs `LLM.generate` on prompts of 32-64 random ids with `ignore_eos`,
 greedy, prefix caching off; one warm-up generate per batch, then one timed. Reported:
@@ -43,6 +45,25 @@ LLAMA_1B = dict(
     head_dim=64,
     max_position_embeddings=2048,
 )
+# A GLM-4.5-style MoE at a small scale (fused MoE kernels, CUDA graphs since align_rows has
+# no host sync): 8 layers (the first dense), 64 experts, top-8, one shared expert.
+GLM_MOE = dict(
+    hidden_size=2048,
+    intermediate_size=5632,
+    moe_intermediate_size=512,
+    num_hidden_layers=8,
+    first_k_dense_replace=1,
+    n_routed_experts=64,
+    n_shared_experts=1,
+    num_experts_per_tok=8,
+    n_group=1,
+    topk_group=1,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    head_dim=128,
+    partial_rotary_factor=0.5,
+    max_position_embeddings=2048,
+)
 # name -> engine options on top of the common ones
 CONFIGS = {
     "bf16 graphs": {},
@@ -60,24 +81,26 @@ COMMON = dict(
 )
 
 
-def build_llama_1b(out: str, device: str = "cuda") -> str:
-    """A random Llama at 1.1B shapes, saved in BF16 with the default model's tokenizer."""
+def build_random(out: str, config_name: str, model_name: str, shape: dict,
+                 device: str = "cuda") -> str:  # fmt: skip
+    """A random transformers model of `shape`, saved in BF16 with the default model's
+    tokenizer (and its vocabulary)."""
     import torch
     import transformers
 
     src = default_model()
     with open(os.path.join(src, "config.json")) as f:
         base = json.load(f)
-    config = transformers.LlamaConfig(
+    config = getattr(transformers, config_name)(
         vocab_size=base["vocab_size"],
         bos_token_id=base["bos_token_id"],
         eos_token_id=base["eos_token_id"],
         pad_token_id=base.get("pad_token_id"),
-        **LLAMA_1B,
+        **shape,
     )
     torch.manual_seed(0)
     with torch.device(device):
-        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
+        model = getattr(transformers, model_name)(config).to(torch.bfloat16).eval()
     with torch.no_grad():  # random init's spread, so logits are not all ties
         for p in model.parameters():
             if p.dim() >= 2:
@@ -90,6 +113,14 @@ def build_llama_1b(out: str, device: str = "cuda") -> str:
     if device == "cuda":
         torch.cuda.empty_cache()
     return out
+
+
+def build_llama_1b(out: str, device: str = "cuda") -> str:
+    return build_random(out, "LlamaConfig", "LlamaForCausalLM", LLAMA_1B, device)
+
+
+def build_glm_moe(out: str, device: str = "cuda") -> str:
+    return build_random(out, "Glm4MoeConfig", "Glm4MoeForCausalLM", GLM_MOE, device)
 
 
 def timed_generate(llm, prompts, max_tokens: int) -> tuple[float, list[list[int]]]:
@@ -201,7 +232,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="64 new tokens instead of 128")
     ap.add_argument("--out", default=RESULTS)
-    ap.add_argument("--models", default="default,llama-1b")
+    ap.add_argument("--models", default="default,llama-1b,glm-moe")
     ap.add_argument("--configs", default="", help="CONFIGS names, spaces as _, comma-separated")
     args = ap.parse_args()
     import torch
@@ -214,6 +245,8 @@ def main() -> None:
     for model in args.models.split(","):
         if model == "llama-1b":
             paths[model] = build_llama_1b("/tmp/slimserve-llama-1b")
+        if model == "glm-moe":
+            paths[model] = build_glm_moe("/tmp/slimserve-glm-moe")
         configs = CONFIGS if model != "default" else {k: CONFIGS[k] for k in CONFIGS if "bf16" in k}
         model_rows = []
         for name, options in configs.items():
