@@ -59,12 +59,13 @@ def test_prefill_gpu(cache_dtype, d):
     args = _cuda((q, *cache.args(), table, qsl, torch.tensor(lens, dtype=torch.int32), d**-0.5))
     out = _mod("paged_prefill").paged_prefill_attention(*args).float()
     ref = reference.paged_prefill_attention(*args).float()
-    # The kernel rounds P to bf16 for the P.V dot (as flash attention does); on an H200
-    # 1-6 of 0.4-1.8M outputs land 0.025-0.031 off (one bf16 ulp at |x| in [4, 8)), so
-    # BF16_TOL bounds all but 1e-5 of them and every output is within 0.05.
-    err = (out - ref).abs()
-    outside = err > BF16_TOL["atol"] + BF16_TOL["rtol"] * ref.abs()
-    assert outside.float().mean().item() <= 1e-5 and err.max().item() < 0.05, err.max()
+    # The kernel rounds P to bf16 for the P.V dot (as flash attention does). On an H200,
+    # 0-6 of 0.4-1.8M outputs fell outside BF16_TOL (near-zero outputs, absolute errors
+    # <= 0.031 < 2 * atol), while outputs of |x| > 8 differ by up to 0.25 inside it (bf16
+    # ulps there are 0.06-0.125): at most 1e-5 of the outputs may leave BF16_TOL, none twice it.
+    err, tol = (out - ref).abs(), BF16_TOL["atol"] + BF16_TOL["rtol"] * ref.abs()
+    assert (err > tol).float().mean().item() <= 1e-5, (err - tol).max()
+    assert (err <= 2 * tol).all(), (err - 2 * tol).max()
 
 
 def test_kv_write_gpu_bits_match_reference():
