@@ -57,14 +57,28 @@ def sample(
     if batch.all_greedy:
         tokens = x.argmax(-1)
     else:
-        tokens = torch.empty(batch.size, dtype=torch.int64, device=x.device)
-        if len(batch.greedy_rows):
-            tokens[batch.greedy_rows] = _rows(x, batch.greedy_rows).argmax(-1)
-        if len(batch.plain_rows):
-            tokens[batch.plain_rows] = _sample_plain(x, batch, batch.plain_rows)
-        if len(batch.filter_rows):
-            tokens[batch.filter_rows] = _sample_filtered(x, batch, batch.filter_rows)
+        tokens = _sampled_tokens(x, batch)
     return _finish(logits, tokens, batch)
+
+
+def _sampled_tokens(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """x: [B, V] processed logits, some rows not greedy -> [B] tokens. When one kind of row
+    is the whole batch (the usual case) its result is the answer: no scatter into [B]."""
+    kinds = (
+        (batch.greedy_rows, lambda rows: _rows(x, rows).argmax(-1)),
+        (batch.plain_rows, lambda rows: _sample_plain(x, batch, rows)),
+        (batch.filter_rows, lambda rows: _sample_filtered(x, batch, rows)),
+    )
+    tokens = None
+    for rows, pick in kinds:
+        if len(rows) == batch.size:
+            return pick(rows)
+        if len(rows):
+            if tokens is None:
+                tokens = torch.empty(batch.size, dtype=torch.int64, device=x.device)
+            tokens[rows] = pick(rows)
+    assert tokens is not None
+    return tokens
 
 
 def filtered_probs(
@@ -103,15 +117,29 @@ def _rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 
 def _filters(batch: SamplingBatch, rows: torch.Tensor) -> RowFilters:
-    return RowFilters(batch.top_k[rows], batch.top_p[rows], batch.min_p[rows])
+    f = RowFilters(batch.top_k, batch.top_p, batch.min_p, batch.any_top_k, batch.any_min_p)
+    return f if len(rows) == batch.size else f.subset(rows)
+
+
+def _keys(batch: SamplingBatch, rows: torch.Tensor) -> torch.Tensor:
+    """[R] noise keys of the rows (no gather when they are all of the batch's rows)."""
+    if len(rows) == batch.size:
+        return row_keys(batch.seeds, batch.positions)
+    return row_keys(batch.seeds[rows], batch.positions[rows])
+
+
+def _temperature(batch: SamplingBatch, rows: torch.Tensor) -> torch.Tensor:
+    """[R, 1] temperatures of the rows."""
+    t = batch.temperature if len(rows) == batch.size else batch.temperature[rows]
+    return t[:, None]
 
 
 def _sample_plain(x: torch.Tensor, batch: SamplingBatch, rows: torch.Tensor) -> torch.Tensor:
     """Rows without filters: argmax of x / T + G = argmax of x + T * G over the vocabulary."""
     vocab = x.shape[-1]
     ids = torch.arange(vocab, device=x.device).expand(len(rows), vocab)
-    noise = gumbel(row_keys(batch.seeds[rows], batch.positions[rows]), ids)  # [Rp, V]
-    return noise.mul_(batch.temperature[rows, None]).add_(_rows(x, rows)).argmax(-1)
+    noise = gumbel(_keys(batch, rows), ids)  # [Rp, V]
+    return noise.mul_(_temperature(batch, rows)).add_(_rows(x, rows)).argmax(-1)
 
 
 def _stages(vocab: int, device: torch.device) -> list[int]:
@@ -125,8 +153,8 @@ def _sample_filtered(x: torch.Tensor, batch: SamplingBatch, rows: torch.Tensor) 
     """Rows with top-k/top-p/min-p -> [Rf] tokens, from the fewest candidates that provably
     hold each row's kept set."""
     vocab = x.shape[-1]
-    keys = row_keys(batch.seeds[rows], batch.positions[rows])  # [Rf]
-    scaled = _rows(x, rows) / batch.temperature[rows, None]  # [Rf, V]
+    keys = _keys(batch, rows)  # [Rf]
+    scaled = _rows(x, rows) / _temperature(batch, rows)  # [Rf, V]
     lse = scaled.logsumexp(-1, keepdim=True)  # [Rf, 1]: log p = scaled - lse
     f = _filters(batch, rows)
     picked = torch.empty(len(rows), dtype=torch.int64, device=x.device)
@@ -135,7 +163,7 @@ def _sample_filtered(x: torch.Tensor, batch: SamplingBatch, rows: torch.Tensor) 
         sub = scaled if todo is None else scaled[todo]
         v, ids = candidates(sub, k)
         v = v - (lse if todo is None else lse[todo])
-        ft = f if todo is None else RowFilters(f.top_k[todo], f.top_p[todo], f.min_p[todo])
+        ft = f if todo is None else f.subset(todo)
         got = _gumbel_max(v, ids, keep_mask(v, ft), keys if todo is None else keys[todo])
         if todo is None:
             picked = got

@@ -195,3 +195,26 @@ def test_token_is_gumbel_max_over_filtered_probs_keyed_by_token_id():
     keys = row_keys(batch.seeds, batch.positions)
     noisy = q.log() + gumbel(keys, torch.arange(vocab).expand(n, -1))
     assert sample(logits, batch).token_ids == noisy.argmax(-1).tolist()
+
+
+def test_skipping_unused_filters_gives_the_general_paths_tokens():
+    """A batch with no top-k (no min-p) row skips those ops (SamplingBatch.any_top_k /
+    any_min_p); its tokens equal the general path's, the rows that reach past the first
+    candidates (flat logits) and mixed batches (greedy + plain + filtered) included.
+    Seen failing with the skipped top-k path's probabilities halved."""
+    import dataclasses
+
+    gen = torch.Generator().manual_seed(6)
+    vocab, n = 4096, 24
+    logits = torch.cat(
+        [torch.randn(n // 2, vocab, generator=gen) * 5, torch.randn(n // 2, vocab, generator=gen)]
+    )
+    mixes = [
+        [SP(temperature=0.8, top_p=0.9)] * n,
+        [SP(temperature=0.8, top_p=0.9), SP(temperature=0), SP(temperature=1.1)] * (n // 3),
+    ]
+    for params in mixes:
+        batch = _batch(params, logits, seeds=list(range(n)), positions=list(range(n)))
+        assert not batch.any_top_k and not batch.any_min_p
+        general = dataclasses.replace(batch, any_top_k=True, any_min_p=True)
+        assert sample(logits, batch).token_ids == sample(logits, general).token_ids

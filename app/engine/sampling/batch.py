@@ -51,6 +51,8 @@ class SamplingBatch:
     sampled_rows: torch.Tensor  # [R] int64: the rows that are not greedy
     filter_rows: torch.Tensor  # [Rf] int64: sampled rows with top-k, top-p or min-p
     plain_rows: torch.Tensor  # [Rp] int64: sampled rows drawing from the whole vocabulary
+    any_top_k: bool = True  # False: no row has top-k (the sampler skips its ops)
+    any_min_p: bool = True  # False: no row has min-p
 
     @property
     def size(self) -> int:
@@ -68,8 +70,14 @@ class SamplingBatch:
             [s.params for s in seqs],
             seeds=[s.seed for s in seqs],
             positions=[len(s.token_ids) for s in seqs],
-            prompts=[s.token_ids[: s.num_sampling_prompt_tokens] for s in seqs],
-            outputs=[s.token_ids[s.num_sampling_prompt_tokens :] for s in seqs],
+            prompts=[
+                s.token_ids[: s.num_sampling_prompt_tokens] if s.params.has_penalties else ()
+                for s in seqs
+            ],
+            outputs=[
+                s.token_ids[s.num_sampling_prompt_tokens :] if s.params.has_penalties else ()
+                for s in seqs
+            ],
             vocab_size=vocab_size,
             device=device,
         )
@@ -94,26 +102,44 @@ class SamplingBatch:
         pen_rows = [i for i, p in enumerate(params) if p.has_penalties]
         sampled = [i for i, g in enumerate(greedy) if not g]
 
-        def t(values, dtype):
-            return torch.tensor(values, dtype=dtype, device=device)
-
+        filter_rows = [i for i in sampled if filtered[i]]
+        plain_rows = [i for i in sampled if not filtered[i]]
+        greedy_rows = [i for i, g in enumerate(greedy) if g]
+        n = len(params)
+        # One host->device tensor per dtype, split into the [B] fields (views): a step
+        # builds a batch, and each torch.tensor call costs more than its few values.
+        floats = torch.tensor(
+            [*temp, *(float(p.top_p) for p in params), *(float(p.min_p) for p in params), *rep]
+            + [float(p.presence_penalty) for p in params]
+            + [float(p.frequency_penalty) for p in params],
+            dtype=torch.float32,
+            device=device,
+        ).split([n] * 6)
+        row_sets = [greedy_rows, sampled, filter_rows, plain_rows]
+        longs = torch.tensor(
+            [*top_k, *(seed_to_int64(s) for s in seeds), *positions, *sum(row_sets, [])],
+            dtype=torch.int64,
+            device=device,
+        ).split([n, n, n, *map(len, row_sets)])
         return cls(
-            temperature=t(temp, torch.float32),
-            greedy=t(greedy, torch.bool),
-            top_k=t(top_k, torch.int64),
-            top_p=t([float(p.top_p) for p in params], torch.float32),
-            min_p=t([float(p.min_p) for p in params], torch.float32),
-            repetition=t(rep, torch.float32),
-            presence=t([float(p.presence_penalty) for p in params], torch.float32),
-            frequency=t([float(p.frequency_penalty) for p in params], torch.float32),
-            seeds=t([seed_to_int64(s) for s in seeds], torch.int64),
-            positions=t(list(positions), torch.int64),
+            temperature=floats[0],
+            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            top_k=longs[0],
+            top_p=floats[1],
+            min_p=floats[2],
+            repetition=floats[3],
+            presence=floats[4],
+            frequency=floats[5],
+            seeds=longs[1],
+            positions=longs[2],
             logprobs=[p.logprobs for p in params],
             penalties=_penalty_tokens(pen_rows, prompts, outputs, device) if pen_rows else None,
-            greedy_rows=t([i for i, g in enumerate(greedy) if g], torch.int64),
-            sampled_rows=t(sampled, torch.int64),
-            filter_rows=t([i for i in sampled if filtered[i]], torch.int64),
-            plain_rows=t([i for i in sampled if not filtered[i]], torch.int64),
+            greedy_rows=longs[3],
+            sampled_rows=longs[4],
+            filter_rows=longs[5],
+            plain_rows=longs[6],
+            any_top_k=any(top_k),
+            any_min_p=any(p.min_p > 0.0 for p in params),
         )
 
 
