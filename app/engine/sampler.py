@@ -54,10 +54,7 @@ def sample(
 ) -> SampleResult:
     """logits: [B, V] (not modified) -> one token per row."""
     x = _processed(logits, batch, allowed_mask)  # [B, V] float32, read only
-    if batch.all_greedy:
-        tokens = x.argmax(-1)
-    else:
-        tokens = _sampled_tokens(x, batch)
+    tokens = x.argmax(-1) if batch.all_greedy else _sampled_tokens(x, batch)
     return _finish(logits, tokens, batch)
 
 
