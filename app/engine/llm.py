@@ -89,8 +89,9 @@ class LLM:
         while self.engine.has_unfinished():
             for delta in self.engine.step():
                 outputs[delta.request_id].apply(delta)
-            bar.n = sum(all(o.finish_reason for o in out.outputs) for out in outputs.values())
-            bar.refresh()
+            if use_tqdm:  # counting finished requests is O(B) per step: only for the bar
+                bar.n = sum(all(o.finish_reason for o in out.outputs) for out in outputs.values())
+                bar.refresh()
         bar.close()
         return [outputs[r.request_id] for r in requests]
 

@@ -61,8 +61,8 @@ class Scheduler:
 
     def _reserve(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
         """Finds blocks for n more tokens of seq, preempting later sequences if needed."""
-        scheduled = {s.seq_id for s, _ in out.scheduled}
         while not self.blocks.ensure_slots(seq, seq.num_computed_tokens + n):
+            scheduled = {s.seq_id for s, _ in out.scheduled}  # only when short: O(B) each
             victims = [s for s in self.running if s.seq_id not in scheduled and s is not seq]
             self.preempt(victims[-1] if victims else seq, out)
             if not victims:
