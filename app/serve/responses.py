@@ -38,7 +38,9 @@ async def choice_deltas(deltas: AsyncIterator[RequestDelta]) -> AsyncIterator[Re
     """
     async for d in deltas:
         done = d.finished and d.finish_reason in DONE_REASONS
-        yield dataclasses.replace(d, finished=done, finish_reason=d.finish_reason if done else None)
+        if not done and (d.finished or d.finish_reason is not None):  # copied only then
+            d = dataclasses.replace(d, finished=False, finish_reason=None)
+        yield d
         if done:
             return
 
@@ -114,7 +116,9 @@ class ChoiceStream:
     async def _pump(self, index: int, choice: AsyncIterator[RequestDelta]) -> None:
         try:
             async for delta in choice:
-                self._queue.put_nowait(dataclasses.replace(delta, index=index))
+                if delta.index != index:  # engine requests are per choice: index 0 there
+                    delta = dataclasses.replace(delta, index=index)
+                self._queue.put_nowait(delta)
         except Exception as e:  # noqa: BLE001 - handed to the consumer
             self._queue.put_nowait(e)
         finally:
