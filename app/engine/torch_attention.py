@@ -116,44 +116,14 @@ def decode_layer(ctx: DecodeContext, q, k, v, k_cache, v_cache, k_scale, v_scale
         k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, ctx.slots, _as(k, k_cache.dtype))
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, ctx.slots, _as(v, v_cache.dtype))
     b, hq, d = q.shape
-    keys, values = _gather_kv(k_cache, v_cache, k_scale, v_scale, ctx.rows, b)
+    keys = _gather_rows(k_cache, k_scale, ctx.rows, b, torch.float32).transpose(1, 2)
+    values = _gather_rows(v_cache, v_scale, ctx.rows, b, torch.float32).transpose(1, 2)
     hkv = keys.shape[1]
     out = F.scaled_dot_product_attention(
         _as(q, torch.float32).view(b, hkv, hq // hkv, d), keys, values, attn_mask=ctx.mask,
         scale=sm_scale,
     )  # fmt: skip
     return _as(out.reshape(b, hq, d), q.dtype)
-
-
-def _gather_kv(k_cache, v_cache, k_scale, v_scale, rows, b: int):
-    """(keys, values) [B, Hkv, maxb * block_size, D] float32 of the block rows. When the V
-    plane directly follows the K plane in memory (KVCache's [L, 2, ...] layout, float32)
-    one index_select copies both: half the gather ops, and on CPU several times faster at
-    batch 32 than two (measured in docs/performance.md)."""
-    pair = _plane_pair(k_cache, v_cache)
-    if pair is None:
-        keys = _gather_rows(k_cache, k_scale, rows, b, torch.float32)
-        values = _gather_rows(v_cache, v_scale, rows, b, torch.float32)
-    else:  # [2, B * maxb, block_size * Hkv * D] -> two [B, S, Hkv, D] views
-        kv = pair.index_select(1, rows).view(2, b, -1, *k_cache.shape[2:])
-        keys, values = kv[0], kv[1]
-    return keys.transpose(1, 2), values.transpose(1, 2)
-
-
-def _plane_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor | None:
-    """[2, num_blocks, block elements] view over both planes when v_cache starts where
-    k_cache ends (same shape, float32, contiguous); None otherwise (FP8, MLA, other layouts)."""
-    n = k_cache.numel()
-    if (
-        k_cache.dtype != torch.float32
-        or v_cache.dtype != torch.float32
-        or k_cache.shape != v_cache.shape
-        or not (k_cache.is_contiguous() and v_cache.is_contiguous())
-        or v_cache.data_ptr() != k_cache.data_ptr() + n * k_cache.element_size()
-    ):
-        return None
-    blocks = k_cache.shape[0]
-    return k_cache.as_strided((2, blocks, n // blocks), (n, n // blocks, 1))
 
 
 def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

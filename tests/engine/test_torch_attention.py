@@ -73,24 +73,3 @@ def test_fp8_values_equal_the_cast_for_every_code(fp8, dtype):
     assert got.shape == want.shape
     assert torch.equal(got.isnan(), want.isnan())
     assert torch.equal(got.nan_to_num(0.0), want.nan_to_num(0.0))
-
-
-def test_decode_layer_over_adjacent_kv_planes_equals_separate_planes():
-    """KVCache keeps a layer's V plane right after its K plane: decode_layer then gathers both
-    with one index_select (_plane_pair); the output equals the one over two unrelated
-    planes, bit for bit. Seen failing with the pair's planes swapped (V read as K)."""
-    torch.manual_seed(2)
-    nb, bs, hkv, hq, d = 12, 4, 2, 6, 16
-    planes = torch.randn(2, nb, bs, hkv, d)  # [K, V] adjacent, as KVCache.kv[layer]
-    kc, vc = planes[0], planes[1]
-    assert torch_attention._plane_pair(kc, vc) is not None
-    apart = (kc.clone(), vc.clone())
-    assert torch_attention._plane_pair(*apart) is None
-    tables = torch.tensor([[3, 7, 1, 0], [5, 2, 9, 11], [4, 0, 0, 0]], dtype=torch.int32)
-    lens = torch.tensor([10, 16, 2], dtype=torch.int32)
-    slots = torch.tensor([1 * bs + 1, 11 * bs + 3, 4 * bs + 1])
-    q, k, v = torch.randn(3, hq, d), torch.randn(3, hkv, d), torch.randn(3, hkv, d)
-    ctx = torch_attention.prepare_decode(tables, lens, slots, bs)
-    got = torch_attention.decode_layer(ctx, q, k, v, kc, vc, None, None, d**-0.5)
-    want = torch_attention.decode_layer(ctx, q, k, v, *apart, None, None, d**-0.5)
-    assert torch.equal(got, want)
