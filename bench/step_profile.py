@@ -8,7 +8,10 @@ than wall time on a shared machine) and wall time; nested parts (attention insid
 are subtracted from their parent. "other" is the step's time outside every wrapped part
 (the engine's own glue, grammar polls, logits bookkeeping).
 
-    python bench/step_profile.py [--batches 1,8,32] [--eager] [--label before]
+    python bench/step_profile.py [--batches 1,8,32] [--eager] [--label before] [--threads 2]
+
+With --threads N > 1 the CPU columns count only this thread (the other torch threads' work
+inside an op is not charged); read the wall columns (`wall_us_per_step`) then.
 
 Writes bench/results/step_profile.json (one entry per label, so a "before" and an "after"
 run sit side by side).
@@ -140,11 +143,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--gen", type=int, default=64)
     ap.add_argument("--eager", action="store_true", help="enforce_eager=True")
     ap.add_argument("--label", default="current")
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     ap.add_argument("--out", default=RESULTS)
     args = ap.parse_args(argv)
     import torch
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     model = args.model or default_model()
     rows = {}
     for batch in (int(b) for b in args.batches.split(",")):
@@ -152,6 +156,8 @@ def main(argv=None) -> dict:
             rows[f"{batch} {name}"] = r = profile(model, batch, temp, args.gen, args.eager)
             parts = " ".join(f"{k}={v:.0f}" for k, v in r["cpu_us_per_step"].items())
             print(f"{batch} {name}: {r['cpu_us_per_token']:.0f} us CPU/token; per step {parts}")
+            walls = " ".join(f"{k}={v:.0f}" for k, v in r["wall_us_per_step"].items())
+            print(f"    {r['tok_s']:.0f} tok/s; wall per step {walls}")
     path = os.path.join(args.out, "step_profile.json")
     data = {}
     if os.path.exists(path):
@@ -161,6 +167,7 @@ def main(argv=None) -> dict:
         "time": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "loadavg": os.getloadavg(),
         "eager": args.eager,
+        "threads": args.threads,
         "rows": rows,
     }
     os.makedirs(args.out, exist_ok=True)
