@@ -55,13 +55,15 @@ class ModelRunner:
         return self.model.compute_logits(self.model(ids, positions, attn))
 
     def inputs(self, plan: StepPlan) -> BatchInputs:
-        """Three host->device tensors per step (one per dtype and shape), split into views."""
+        """Two host->device tensors per step (one per dtype), split into views. The block
+        tables go in flat: torch.tensor of a nested list inspects every inner list."""
         t, s, b = len(plan.token_ids), len(plan.sample_rows), len(plan.seq_lens)
         longs = [*plan.token_ids, *plan.positions, *plan.slot_mapping, *plan.sample_rows]
         ids, positions, slots, rows = self._t(longs, torch.long).split([t, t, t, s])
-        ints = self._t([*plan.query_start_loc, *plan.seq_lens], torch.int32)
-        starts, lens = ints.split([len(plan.query_start_loc), b])
-        tables = self._t(plan.block_tables, torch.int32)
+        flat = [block for table in plan.block_tables for block in table]
+        ints = self._t([*plan.query_start_loc, *plan.seq_lens, *flat], torch.int32)
+        starts, lens, tables = ints.split([len(plan.query_start_loc), b, len(flat)])
+        tables = tables.view(b, len(flat) // max(b, 1))
         meta = AttentionMetadata(slots, starts, lens, tables, plan.is_decode)
         # sample_rows rise strictly inside [0, T) (plan_step), so S == T means they are 0..T-1
         every_row = s == t
