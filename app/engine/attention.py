@@ -43,6 +43,9 @@ def backend_ops(name: str, device: torch.device):
     raise ValueError(f"unknown attention backend {name!r}")
 
 
+_NO_CONTEXT = object()  # the backend's per-step path declined this step (a long prefill)
+
+
 class PagedAttention:
     """Binds a backend to one forward pass: the model calls it as attn(layer, q, k, v)."""
 
@@ -57,12 +60,14 @@ class PagedAttention:
         assert (v is None) == self.cache.spec.use_mla, "v=None exactly when the cache is MLA"
         v = k if v is None else v
         m = self.meta
-        if m.is_decode and hasattr(self.ops, "decode_layer"):  # shares per-step work
+        if hasattr(self.ops, "decode_layer"):  # shares per-step work (decodes, verify steps)
             if self.decode_ctx is None:
                 bs = self.cache.spec.block_size
-                args = (m.block_tables, m.seq_lens, m.slot_mapping, bs)
-                self.decode_ctx = self.ops.prepare_decode(*args)
-            return self.ops.decode_layer(self.decode_ctx, q, k, v, kc, vc, ks, vs, self.scale)
+                starts = None if m.is_decode else m.query_start_loc
+                args = (m.block_tables, m.seq_lens, m.slot_mapping, bs, starts)
+                self.decode_ctx = self.ops.prepare_decode(*args) or _NO_CONTEXT
+            if self.decode_ctx is not _NO_CONTEXT:
+                return self.ops.decode_layer(self.decode_ctx, q, k, v, kc, vc, ks, vs, self.scale)
         self.ops.kv_write(k, v, kc, vc, ks, vs, m.slot_mapping)
         if m.is_decode:
             return self.ops.paged_decode_attention(

@@ -8,7 +8,10 @@ masks past each length and runs one batched attention. Prefill reuses the refere
 `prepare_decode` + `decode_layer`: what every layer of one decode step shares (the gathered
 block rows, the length mask, the write slots) is built once per step instead of once per
 layer (PagedAttention uses them when the backend has them); same results as
-kv_write + paged_decode_attention.
+kv_write + paged_decode_attention. A step with a few new tokens per sequence (a speculative
+verify step: 1 + k rows each) takes the same path with each sequence's queries padded to
+the longest and a causal mask per query row: one batched attention instead of the
+reference's loop over sequences (same results as kv_write + paged_prefill_attention).
 """
 
 from __future__ import annotations
@@ -83,19 +86,53 @@ def paged_decode_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables, 
     return out.reshape(b, hq, d).to(q.dtype)
 
 
+# A step whose sequences each compute at most this many new tokens runs the batched path
+# (decodes, speculative verify steps with k <= 16 proposals, short chunks); longer ones (a
+# prefill) go to the reference, which does not pad every sequence to the longest query.
+MAX_BATCHED_QUERY = 17
+
+
 @dataclass(slots=True)
 class DecodeContext:
-    """What every layer of one decode step shares."""
+    """What every layer of one decode or short-extend step shares."""
 
     rows: torch.Tensor  # [B * max_blocks] int64: the block tables, flattened
-    mask: torch.Tensor  # [B, 1, 1, max_blocks * block_size] float32: -inf past each length
+    mask: torch.Tensor  # [B, 1, Q, max_blocks * block_size] float32: -inf past each position
     slots: torch.Tensor  # [T'] int64: the slots written (the >= 0 ones)
     kept: torch.Tensor | None  # [T'] int64: rows of k/v written; None = all of them
+    # Q > 1 (e.g. a verify step: 1 + k rows per sequence): row t of q is padded row
+    # query_rows[t] of [B * Q]; None: Q == 1, one row per sequence, no padding.
+    query_rows: torch.Tensor | None = None
+    q_len: int = 1  # Q, the longest query of the step
+    group_mask: torch.Tensor | None = None  # mask per GQA group, built at the first layer
 
 
-def prepare_decode(block_tables, seq_lens, slot_mapping, block_size: int) -> DecodeContext:
-    width = block_tables.shape[1] * block_size
-    pad = torch.arange(width, device=seq_lens.device).unsqueeze(0) >= seq_lens.unsqueeze(1)
+def prepare_decode(
+    block_tables, seq_lens, slot_mapping, block_size: int, query_start_loc=None
+) -> DecodeContext | None:
+    """query_start_loc None: a decode (one new token per sequence). Else [B + 1] rows of a
+    step with several new tokens per sequence; None back if one is longer than
+    MAX_BATCHED_QUERY (the caller then uses the per-sequence reference)."""
+    b, width = block_tables.shape[0], block_tables.shape[1] * block_size
+    q_len, query_rows = 1, None
+    lens = seq_lens.long()
+    if query_start_loc is not None:
+        starts = query_start_loc.long()
+        n_new = starts[1:] - starts[:-1]  # [B]
+        q_len = int(n_new.max())
+        if q_len > MAX_BATCHED_QUERY:
+            return None
+        seq_of_row = torch.repeat_interleave(torch.arange(b, device=lens.device), n_new)  # [T]
+        j = torch.arange(seq_of_row.shape[0], device=lens.device) - starts[seq_of_row]
+        query_rows = seq_of_row * q_len + j
+    # Query j of sequence b sits at position lens[b] - n_new[b] + j and sees keys up to it;
+    # padding queries (j >= n_new[b]) see key 0 only (their output is dropped).
+    n_new = lens.new_ones(b) if query_rows is None else n_new
+    j = torch.arange(q_len, device=lens.device).unsqueeze(0)  # [1, Q]
+    pos = (lens - n_new).unsqueeze(1) + j  # [B, Q]
+    pos = pos.masked_fill(j >= n_new.unsqueeze(1), 0)
+    key = torch.arange(width, device=lens.device)
+    pad = key.view(1, 1, -1) > pos.unsqueeze(-1)  # [B, Q, S]
     mask = torch.zeros(pad.shape, dtype=torch.float32, device=pad.device)
     mask.masked_fill_(pad, float("-inf"))
     kept = None
@@ -103,11 +140,12 @@ def prepare_decode(block_tables, seq_lens, slot_mapping, block_size: int) -> Dec
         kept = (slot_mapping >= 0).nonzero()[:, 0]
         slot_mapping = slot_mapping[kept]
     rows = block_tables.flatten().long()
-    return DecodeContext(rows, mask[:, None, None, :], slot_mapping, kept)
+    return DecodeContext(rows, mask.unsqueeze(1), slot_mapping, kept, query_rows, q_len)
 
 
 def decode_layer(ctx: DecodeContext, q, k, v, k_cache, v_cache, k_scale, v_scale, sm_scale):
-    """kv_write of the new k/v [B, Hkv, D], then paged_decode_attention of q [B, Hq, D]."""
+    """kv_write of the new k/v [T, Hkv, D], then attention of q [T, Hq, D] over each
+    sequence's cache (causal within the step's new tokens) -> [T, Hq, D]."""
     if ctx.kept is not None:
         k, v = k.index_select(0, ctx.kept), v.index_select(0, ctx.kept)
     if is_fp8(k_cache):
@@ -115,15 +153,29 @@ def decode_layer(ctx: DecodeContext, q, k, v, k_cache, v_cache, k_scale, v_scale
     else:
         k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, ctx.slots, _as(k, k_cache.dtype))
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, ctx.slots, _as(v, v_cache.dtype))
-    b, hq, d = q.shape
+    b, (hq, d) = ctx.mask.shape[0], q.shape[1:]
     keys = _gather_rows(k_cache, k_scale, ctx.rows, b, torch.float32).transpose(1, 2)
     values = _gather_rows(v_cache, v_scale, ctx.rows, b, torch.float32).transpose(1, 2)
     hkv = keys.shape[1]
+    g, dtype = hq // hkv, q.dtype
+    q = _as(q, torch.float32)
+    if ctx.query_rows is None:  # decode: the query heads sharing a KV head are its rows
+        out = F.scaled_dot_product_attention(
+            q.view(b, hkv, g, d), keys, values, attn_mask=ctx.mask, scale=sm_scale
+        )  # [B, Hkv, G, D]
+        return _as(out.reshape(b, hq, d), dtype)
+    # Several rows per sequence: pad to [B, Q], then rows (j, g) of each KV head.
+    qq = ctx.q_len
+    padded = q.new_zeros(b * qq, hq, d).index_copy_(0, ctx.query_rows, q)
+    padded = padded.view(b, qq, hkv, g, d).permute(0, 2, 1, 3, 4).reshape(b, hkv, qq * g, d)
+    if ctx.group_mask is None:  # [B, 1, Q * G, S]: row (j, g) has query j's mask
+        m = ctx.mask  # [B, 1, Q, S]
+        ctx.group_mask = m.unsqueeze(3).expand(b, 1, qq, g, m.shape[-1]).reshape(b, 1, qq * g, -1)
     out = F.scaled_dot_product_attention(
-        _as(q, torch.float32).view(b, hkv, hq // hkv, d), keys, values, attn_mask=ctx.mask,
-        scale=sm_scale,
-    )  # fmt: skip
-    return _as(out.reshape(b, hq, d), q.dtype)
+        padded, keys, values, attn_mask=ctx.group_mask, scale=sm_scale
+    )  # [B, Hkv, Q * G, D]
+    out = out.view(b, hkv, qq, g, d).permute(0, 2, 1, 3, 4).reshape(b * qq, hq, d)
+    return _as(out.index_select(0, ctx.query_rows), dtype)
 
 
 def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -73,3 +73,56 @@ def test_fp8_values_equal_the_cast_for_every_code(fp8, dtype):
     assert got.shape == want.shape
     assert torch.equal(got.isnan(), want.isnan())
     assert torch.equal(got.nan_to_num(0.0), want.nan_to_num(0.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])
+def test_short_extend_matches_reference_prefill(dtype):
+    """A step with several new tokens per sequence (a speculative verify step: 1 + k rows,
+    k differing per sequence; a short chunk) through the batched path writes the same cache
+    and returns what the reference's kv_write + per-sequence causal prefill returns.
+    GQA group 3, queries of 3, 1 and 5 rows (padding inside the batch), one of them the
+    sequence's first tokens.
+    Seen failing: with the padded query rows ordered (g, j) instead of (j, g) (wrong rows'
+    masks), and with every query seeing the whole step (no causal mask within it)."""
+    torch.manual_seed(2)
+    nb, bs, hkv, hq, d = 12, 4, 2, 6, 16
+    fp8 = dtype == torch.float8_e4m3fn
+    caches = []
+    for _ in range(2):
+        kc = torch.zeros(nb, bs, hkv, d, dtype=dtype)
+        scales = [torch.zeros(nb, bs, hkv, dtype=torch.int8) if fp8 else None for _ in "kv"]
+        caches.append((kc, torch.zeros_like(kc), *scales))
+    old = torch.randn(nb * bs, hkv, d) * 2
+    for c in caches:
+        reference.kv_write(old, old * 0.5, *c, torch.arange(nb * bs))
+    tables = torch.tensor([[3, 7, 1, 0], [5, 2, 9, 11], [4, 6, 0, 0]], dtype=torch.int32)
+    lens = torch.tensor([10, 16, 5], dtype=torch.int32)
+    n_new = [3, 1, 5]
+    starts = torch.tensor([0, 3, 4, 9], dtype=torch.int32)
+    slots = []
+    for table, n, length in zip(tables.tolist(), n_new, lens.tolist()):
+        slots += [table[p // bs] * bs + p % bs for p in range(length - n, length)]
+    slots = torch.tensor(slots)
+    t = len(slots)
+    q, k, v = torch.randn(t, hq, d), torch.randn(t, hkv, d), torch.randn(t, hkv, d)
+    reference.kv_write(k, v, *caches[0], slots)
+    want = reference.paged_prefill_attention(q, *caches[0], tables, starts, lens, d**-0.5)
+    ctx = torch_attention.prepare_decode(tables, lens, slots, bs, starts)
+    got = torch_attention.decode_layer(ctx, q, k, v, *caches[1], d**-0.5)
+    for a, b in zip(caches[0], caches[1]):
+        if a is not None:
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_long_extend_declines_batched_path():
+    """A query longer than MAX_BATCHED_QUERY (a prefill) is left to the reference, which
+    does not pad every sequence of the step to it."""
+    n = torch_attention.MAX_BATCHED_QUERY + 1
+    tables = torch.tensor([[0, 1, 2, 3, 4], [5, 0, 0, 0, 0]], dtype=torch.int32)
+    lens = torch.tensor([n, 2], dtype=torch.int32)
+    starts = torch.tensor([0, n, n + 1], dtype=torch.int32)
+    slots = torch.arange(n + 1)
+    assert torch_attention.prepare_decode(tables, lens, slots, 4, starts) is None
+    starts = torch.tensor([0, n - 1, n], dtype=torch.int32)
+    assert torch_attention.prepare_decode(tables, lens - 1, slots[:-1], 4, starts) is not None
