@@ -143,7 +143,7 @@ def one_repeat(client, fmt, chunk_parts, new_cache, prompt, tagger) -> dict:
     for mode in (None, *MODES, *MODES[::-1], None):
         warm[mode].append(import_into(cache, fmt, got.chunks, mode, tagger))
     serial = _timed(lambda: [c.verify_tag() for c in got.chunks])
-    asyncio.run(_drop_all(client, stored))
+    asyncio.run(drop_all(client, stored))
     out = {"publish_s": publish_s, "fetch_s": fetch_s}
     for clock in CLOCKS:
         out[f"encode_untagged_{clock}_s"] = min(r[clock] for r in enc[None])
@@ -156,7 +156,7 @@ def one_repeat(client, fmt, chunk_parts, new_cache, prompt, tagger) -> dict:
     return out
 
 
-async def _drop_all(client, stored) -> None:
+async def drop_all(client, stored) -> None:
     await asyncio.gather(*(client.drop(s.key, "evict") for s in stored))
 
 
@@ -200,36 +200,49 @@ def summarize(runs: list[dict], chunk_bytes: int, num_chunks: int) -> dict:
     }
 
 
+def measure(client, num_chunks: int, repeats: int) -> dict:
+    """The whole comparison against a running KV store (``client``; Ray already up): what
+    main() writes, and what bench/serve.py reports as its chunk transfer's integrity."""
+    import torch
+
+    from app.engine.kv_cache import KVCache
+    from app.kv.layout import KVCacheSpec
+
+    spec = KVCacheSpec(L, HKV, D, BLOCK, "fp8_e4m3")
+    fmt, prompt = _fmt(spec.layout), list(range(num_chunks * TOKENS))
+    chunk_parts, digests = parts(fmt, prompt, _kv(num_chunks))
+    new_cache = lambda: KVCache(spec, num_chunks * TOKENS // BLOCK, "cpu")  # noqa: E731
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with ThreadPoolExecutor(1, thread_name_prefix="kv-tag") as tagger:
+            runs = [
+                one_repeat(client, fmt, chunk_parts, new_cache, prompt, tagger)
+                for _ in range(repeats)
+            ]
+    finally:
+        torch.set_num_threads(threads)
+    result = summarize(runs, fmt.spec.bytes_per_token() * TOKENS, num_chunks)
+    result["keys_and_prefix_digests_s"] = digests  # per side; not in the tag's share
+    return result
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--chunks", type=int, default=8)
     p.add_argument("--repeats", type=int, default=7)
     a = p.parse_args()
     import ray
-    import torch
 
-    from app.engine.kv_cache import KVCache
-    from app.kv.layout import KVCacheSpec
     from app.kvstore.store import KVStoreClient, create_store
 
-    torch.set_num_threads(1)
-    spec = KVCacheSpec(L, HKV, D, BLOCK, "fp8_e4m3")
-    fmt, prompt = _fmt(spec.layout), list(range(a.chunks * TOKENS))
-    chunk_parts, digests = parts(fmt, prompt, _kv(a.chunks))
-    new_cache = lambda: KVCache(spec, a.chunks * TOKENS // BLOCK, "cpu")  # noqa: E731
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         client = KVStoreClient(create_store(4 << 30))
         ray.get(client.shards[0].stats.remote())  # actor start-up is not transfer time
-        with ThreadPoolExecutor(1, thread_name_prefix="kv-tag") as tagger:
-            runs = [
-                one_repeat(client, fmt, chunk_parts, new_cache, prompt, tagger)
-                for _ in range(a.repeats)
-            ]
+        result = measure(client, a.chunks, a.repeats)
     finally:
         ray.shutdown()
-    result = summarize(runs, fmt.spec.bytes_per_token() * TOKENS, a.chunks)
-    result["keys_and_prefix_digests_s"] = digests  # per side; not in the tag's share
     path = write_json("kv_transfer", result)
     _print(result)
     print(f"-> {path}")

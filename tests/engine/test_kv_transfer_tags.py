@@ -10,7 +10,7 @@ import torch
 from app.engine.block_manager import ImportHold
 from app.engine.kv_cache import KVCache
 from app.engine.kv_transfer import encode_chunks, write_import
-from app.kv.chunk import KVChunk
+from app.kv.chunk import ChunkError, KVChunk
 from app.kv.chunk_format import ChunkFormat
 from app.kv.layout import KVCacheSpec
 
@@ -107,3 +107,44 @@ def test_export_takes_the_chunk_hashes_the_block_manager_made(kv):
     again = encode_chunks(FMT, TOKENS, *kv, b"salt", block_hashes=made)
     fresh = encode_chunks(FMT, TOKENS, *kv, b"salt")
     assert [bytes(c.encode()) for c in again] == [bytes(c.encode()) for c in fresh]
+
+
+@pytest.mark.parametrize("overlapped", [False, True], ids=["same pass", "tagger"])
+def test_every_flipped_byte_is_rejected_before_use(kv, tagger, overlapped):
+    """One flipped bit in any byte of a chunk (framing, header, K, V, scales: every offset
+    of the wire, not a sample) is rejected before the KV is used: by the fetch's header and
+    expectation checks (as app/kvstore/transfer.py decodes, the tag left to the import), or
+    by the import's tag check, which then keeps only the blocks before the chunk.
+
+    Seen failing, each time at the first byte left out: with the scales left out of the tag
+    at both ends (encode `_fill`, import `_write_chunk`, `compute_tag`), offset 1005 (a scale)
+    was written and kept; with the header left out (`tag_hasher` fed nothing), offset 116."""
+    chunks = encode_chunks(FMT, TOKENS, *kv, b"salt")
+    sound = [KVChunk.decode(bytes(c.encode()), verify_tag=False) for c in chunks]
+    wire = bytes(chunks[1].encode())
+    by_fetch = by_import = 0
+    for offset in range(len(wire)):
+        damaged = bytearray(wire)
+        damaged[offset] ^= 1 << offset % 8
+        try:
+            offered = KVChunk.decode(
+                bytes(damaged),
+                expected_fingerprint=FMT.fingerprint,
+                expected_layout=FMT.layout,
+                expected_kv_dtype=FMT.kv_dtype,
+                expected_key=chunks[1].key,
+                expected_token_ids=chunks[1].token_ids,
+                verify_tag=False,
+            )
+        except ChunkError:
+            by_fetch += 1
+            continue
+        hold = ImportHold(list(range(6)), [], list(range(6)))
+        cache = KVCache(FMT.spec, 8, "cpu")
+        valid, rejected = write_import(
+            cache, FMT, [sound[0], offered, sound[2]], hold, tagger if overlapped else None
+        )
+        assert (valid, [k for k, _ in rejected]) == (2, [chunks[1].key]), offset
+        by_import += 1
+    assert by_fetch + by_import == len(wire)
+    assert by_import > chunks[1].nbytes  # every payload byte reaches (and fails) the import
