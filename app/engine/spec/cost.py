@@ -1,8 +1,9 @@
 """Cost-aware speculation: speculate only while it makes tokens faster than plain decoding.
 
 Acceptance alone does not say whether speculation pays: a verify forward over 1 + k query
-tokens costs about one decode step on a memory-bound GPU but about 1 + k decode steps on a
-compute-bound CPU, where even well-accepted proposals can lose. So the engine also measures
+tokens costs about one decode step on a memory-bound GPU but more on a CPU (1.2 decode
+steps at k = 1 for the tiny default model, growing with k), where well-accepted proposals
+can still lose. So the engine also measures
 what matters, wall time per emitted token, for both kinds of decode-only step:
 
 - a *verify* step: at least one sequence verified proposals;
@@ -45,9 +46,8 @@ class CostPolicy:
     # goes stale (a new workload, other context lengths, machine load), and a probe costs
     # min_samples plain steps where speculation pays.
     max_reprobe_every: int = 64
-    # While paused, up to this: each probe costs min_samples verify steps that lose (on
-    # this CPU at k = 1 each is ~1.65 plain steps for ~1.5 tokens), and speculation
-    # returns at most this many steps after a workload turns repetitive.
+    # While paused, up to this: each probe costs min_samples verify steps that lose, and
+    # speculation returns at most this many steps after a workload turns repetitive.
     max_paused_reprobe_every: int = 256
 
 
