@@ -21,7 +21,7 @@ from app.engine.kv_cache import KVCache
 from app.engine.model_runner import ModelRunner
 from app.engine.outputs import OutputProcessor
 from app.engine.request import Request, RequestDelta
-from app.engine.sampler import SamplingBatch, sample
+from app.engine.sampler import SamplingBatch, greedy_tokens, sample
 from app.engine.sampling_params import SamplingParams
 from app.engine.scheduler import Scheduler, SchedulerOutput
 from app.engine.sequence import SeqStatus, Sequence
@@ -258,7 +258,7 @@ class Engine:
         if self.speculator is not None:
             return self.speculator.verify(logits, sampled)
         if all(plain_greedy(s.params) for s in sampled):  # what sample() does, minus the
-            return [[(t, None)] for t in logits.argmax(-1).tolist()]  # [B] tensors it builds
+            return [[(t, None)] for t in greedy_tokens(logits).tolist()]  # [B] tensors
         batch = SamplingBatch.from_seqs(sampled, logits.shape[-1], logits.device)
         result = sample(logits, batch)
         return [[pair] for pair in zip(result.token_ids, result.logprobs)]

@@ -218,3 +218,18 @@ def test_skipping_unused_filters_gives_the_general_paths_tokens():
         assert not batch.any_top_k and not batch.any_min_p
         general = dataclasses.replace(batch, any_top_k=True, any_min_p=True)
         assert sample(logits, batch).token_ids == sample(logits, general).token_ids
+
+
+def test_greedy_tokens_equal_argmax_with_ties_nan_and_inf():
+    """greedy_tokens (max(-1) on CPU) returns argmax's index: the first maximal one, NaN
+    counted as the maximum, rows of -inf included. Seen failing with the last maximal index
+    (V - 1 - argmax of the flipped rows)."""
+    from app.engine.sampler import greedy_tokens
+
+    gen = torch.Generator().manual_seed(7)
+    for vocab in (7, 64, 4096):
+        x = torch.randint(0, 4, (9, vocab), generator=gen).float()  # many ties
+        x[2, 5 % vocab] = float("nan")
+        x[3] = float("-inf")
+        assert torch.equal(greedy_tokens(x), x.argmax(-1))
+        assert torch.equal(greedy_tokens(x.t().contiguous().t()), x.argmax(-1))
