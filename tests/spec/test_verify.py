@@ -118,7 +118,7 @@ def test_point_mass_proposals_keep_the_target_distribution(tables):
     gumbel = -torch.log(-torch.log(torch.rand(N, K + 1, V, generator=g)))
     target = (p.log() + gumbel).argmax(-1)  # what decoding without speculation samples
     proposals = torch.stack([x0, x1], 1)
-    emitted, accepted = verify_point_mass(target, proposals, torch.full((N,), K))
+    emitted, accepted = verify_point_mass(target.tolist(), proposals.tolist())
     accepted = torch.tensor(accepted)
     tokens = torch.tensor([row + [0] * (K + 1 - len(row)) for row in emitted])
     stat, df = statistics(tokens, accepted, t)
@@ -133,8 +133,11 @@ def test_accepted_lengths_stop_at_first_mismatch_and_padding():
     proposals = torch.tensor([[3, 4, 5], [3, 4, 5], [3, 4, 5], [0, 0, 0]])
     num = torch.tensor([3, 3, 2, 0])
     assert accepted_lengths(target, proposals, num).tolist() == [3, 1, 2, 0]
-    emitted, _ = verify_point_mass(target, proposals, num)
+    rows = [row[: n + 1] for row, n in zip(target.tolist(), num.tolist())]
+    mine = [row[:n] for row, n in zip(proposals.tolist(), num.tolist())]
+    emitted, accepted = verify_point_mass(rows, mine)
     assert emitted == [[3, 4, 5, 6], [3, 9], [3, 4, 5], [1]]
+    assert accepted == [3, 1, 2, 0]
 
 
 def test_equal_draft_and_target_accept_everything():

@@ -116,13 +116,7 @@ class Speculator:
         target, logprobs = target_tokens(logits, seqs)  # per sequence: k + 1 rows
         if not self.tally.verified:  # nothing proposed (e.g. paused): plain decoding's tokens
             return [[(t[0], lp[0])] for t, lp in zip(target, logprobs)]
-        k_max = max(len(s.spec_tokens) for s in seqs)
-        padded = torch.tensor([t + [0] * (k_max + 1 - len(t)) for t in target])
-        proposals = torch.tensor(
-            [s.spec_tokens + [0] * (k_max - len(s.spec_tokens)) for s in seqs]
-        ).view(len(seqs), k_max)
-        num = torch.tensor([len(s.spec_tokens) for s in seqs])
-        emitted, accepted = verify_point_mass(padded, proposals, num)
+        emitted, accepted = verify_point_mass(target, [s.spec_tokens for s in seqs])
         out = []
         for seq, tokens, lps, a in zip(seqs, emitted, logprobs, accepted):
             self._record(seq, a)

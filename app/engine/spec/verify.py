@@ -1,4 +1,5 @@
-"""Exact verification of proposed tokens: pure functions over tensors.
+"""Exact verification of proposed tokens: pure functions (over tensors; the point-mass rule
+over the host lists of the target's tokens).
 
 Shapes: B sequences, K proposal slots (rows with fewer proposals are padded; num_proposed
 says how many are real), V vocabulary. Row j of the target's output is its distribution for
@@ -35,16 +36,24 @@ def accepted_lengths(
 
 
 def verify_point_mass(
-    target: torch.Tensor, proposals: torch.Tensor, num_proposed: torch.Tensor
+    target: list[list[int]], proposals: list[list[int]]
 ) -> tuple[list[list[int]], list[int]]:
-    """-> (tokens each sequence emits, accepted proposals per sequence).
+    """Per sequence: the target's token of each of its len(proposals) + 1 rows and its
+    proposals -> (tokens each sequence emits, accepted proposals per sequence).
 
     Accepted proposals equal the target's tokens, so the emitted tokens are the target's
     first accepted + 1: the agreed prefix plus the target's correction or bonus token.
+    Plain lists: the target's tokens are already on the host (one sync for the step), and
+    for a few short rows a loop is cheaper than building [B, K] tensors.
     """
-    accepted = accepted_lengths(target, proposals, num_proposed).tolist()  # one host sync
-    rows = target.tolist()
-    return [row[: a + 1] for row, a in zip(rows, accepted)], accepted
+    emitted, accepted = [], []
+    for row, proposed in zip(target, proposals):
+        a = 0
+        while a < len(proposed) and proposed[a] == row[a]:
+            a += 1
+        emitted.append(row[: a + 1])
+        accepted.append(a)
+    return emitted, accepted
 
 
 def acceptance_probs(p_x: torch.Tensor, q_x: torch.Tensor) -> torch.Tensor:
