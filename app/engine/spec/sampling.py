@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from app.engine.request import TokenLogprob
-from app.engine.sampler import GREEDY_EPS, SamplingBatch, sample
+from app.engine.sampler import GREEDY_EPS, SamplingBatch, greedy_tokens, sample
 from app.engine.sampling_params import SamplingParams
 from app.engine.sequence import Sequence
 
@@ -28,7 +28,7 @@ def target_tokens(
     token plain decoding would sample there (one batched call, one host sync)."""
     sizes = [1 + len(s.spec_tokens) for s in seqs]
     if all(plain_greedy(s.params) for s in seqs):
-        flat = logits.argmax(-1).tolist()
+        flat = greedy_tokens(logits).tolist()  # the plain-greedy path's own op
         return _split(flat, sizes), _split([None] * len(flat), sizes)
     rows = [(seq, j) for seq, size in zip(seqs, sizes) for j in range(size)]
     batch = SamplingBatch.build(
