@@ -126,3 +126,17 @@ def test_long_extend_declines_batched_path():
     assert torch_attention.prepare_decode(tables, lens, slots, 4, starts) is None
     starts = torch.tensor([0, n - 1, n], dtype=torch.int32)
     assert torch_attention.prepare_decode(tables, lens - 1, slots[:-1], 4, starts) is not None
+
+
+def test_decode_mask_equals_the_general_one_row_per_sequence_form():
+    """prepare_decode's decode shortcut (no query_start_loc) builds the mask the general
+    path builds for one new token per sequence. Seen failing with `>` for `>=` (each
+    sequence's last key masked)."""
+    tables = torch.tensor([[3, 7, 1, 0], [5, 2, 9, 11], [4, 0, 0, 0]], dtype=torch.int32)
+    lens = torch.tensor([10, 16, 1], dtype=torch.int32)
+    slots = torch.tensor([1 * 4 + 1, 11 * 4 + 3, 4 * 4])
+    starts = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
+    short = torch_attention.prepare_decode(tables, lens, slots, 4)
+    general = torch_attention.prepare_decode(tables, lens, slots, 4, starts)
+    assert torch.equal(short.mask, general.mask) and short.mask.shape == (3, 1, 1, 16)
+    assert torch.equal(short.rows, general.rows) and torch.equal(short.slots, general.slots)
