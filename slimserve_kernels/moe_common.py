@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from slimserve_kernels.fp8_cpu import dequantize_fp8_cpu
 from slimserve_kernels.reference import dequantize_fp8_blocks, unpack_int4
 
 
@@ -76,31 +77,6 @@ class MoEWeights:
         s = s.index_select(0, e).float().repeat_interleave(self.group, -1)
         z = 8.0 if z is None else z.index_select(0, e).float().repeat_interleave(self.group, -1)
         return ((q - z) * s).to(dtype)
-
-
-# Every float8_e4m3fn bit pattern's value (NaN included): a table look-up reads the bytes at
-# ~2.5x the speed of torch's fp8 -> fp32 cast on CPU (bench/moe_cpu.py).
-_E4M3_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
-
-
-def dequantize_fp8_cpu(
-    weight: torch.Tensor,  # [N, K] float8_e4m3fn
-    scale: torch.Tensor,  # [ceil(N / bn), ceil(K / bk)] float32
-    block: tuple[int, int],  # (bn, bk)
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    """`reference.dequantize_fp8_blocks` bit for bit (the same fp32 products), faster on CPU:
-    the bytes go through a 256-entry table, and the block scales multiply in place through a
-    broadcast view instead of being expanded to a second [N, K] fp32 tensor. Blocks that do
-    not tile [N, K], and other devices, take the reference."""
-    n, k = weight.shape
-    bn, bk = block
-    if weight.device.type != "cpu" or n % bn or k % bk:
-        return dequantize_fp8_blocks(weight, scale, block, dtype)
-    codes = weight.view(torch.uint8).flatten().int()
-    w = _E4M3_VALUES.index_select(0, codes).view(n // bn, bn, k // bk, bk)
-    w.mul_(scale.float().view(n // bn, 1, k // bk, 1))
-    return w.view(n, k).to(dtype)
 
 
 def sort_rows(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, list[int]]:

@@ -17,11 +17,11 @@ reference's loop over sequences (same results as kv_write + paged_prefill_attent
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cache
 
 import torch
 import torch.nn.functional as F
 
+from slimserve_kernels.fp8_cpu import fp8_values
 from slimserve_kernels.reference import is_fp8, kv_write, paged_prefill_attention
 
 __all__ = [
@@ -48,22 +48,6 @@ def _gather_rows(cache, scale, rows, b: int, dtype) -> torch.Tensor:
         return x if x.dtype == dtype else x.to(dtype)
     e = scale.view(scale.shape[0], -1).index_select(0, rows).view(b, -1, scale.shape[-1])
     return fp8_values(x, dtype) * torch.exp2(e.to(dtype)).unsqueeze(-1)
-
-
-def fp8_values(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x.to(dtype) for an FP8 x, on CPU through a 256-entry table: PyTorch's CPU cast
-    converts element by element (~4 ns each; at 32 decodes it was 36-44% of a served step,
-    docs/performance.md), the table gather is ~4x faster. Bit-exact (NaN codes included)."""
-    if x.device.type != "cpu":
-        return x.to(dtype)
-    codes = x.view(torch.uint8).reshape(-1).to(torch.int32)  # index_select wants int32/64
-    return _fp8_table(x.dtype, dtype).index_select(0, codes).view(x.shape)
-
-
-@cache
-def _fp8_table(fp8: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
-    """[256] dtype: the value of every FP8 bit pattern."""
-    return torch.arange(256, dtype=torch.uint8).view(fp8).to(dtype)
 
 
 def paged_decode_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, sm_scale):

@@ -28,7 +28,7 @@ import slimserve_kernels
 from app.models.parallel import SINGLE
 from app.quant.linear import UNSHARDED, LinearRole, QuantizedLinear
 from app.quant.params import copy_loader, loaded_param
-from slimserve_kernels.reference import dequantize_fp8_blocks
+from slimserve_kernels.fp8_cpu import dequantize_fp8_cpu
 
 FP8_DTYPE = torch.float8_e4m3fn
 
@@ -92,8 +92,8 @@ class Fp8Linear(QuantizedLinear):
             self.bias.data.copy_(bias)
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """[N, K] in dtype."""
-        return dequantize_fp8_blocks(self.weight, self.weight_scale_inv, self.block, dtype)
+        """[N, K] in dtype (on CPU through the FP8 table: slimserve_kernels/fp8_cpu.py)."""
+        return dequantize_fp8_cpu(self.weight, self.weight_scale_inv, self.block, dtype)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:  # x: [M, K] -> [M, N]
         if slimserve_kernels.use_triton(x):

@@ -1,11 +1,12 @@
-"""The CPU fused-MoE path's FP8 dequantization equals the reference bit for bit."""
+"""FP8 on the CPU through a table (slimserve_kernels/fp8_cpu.py) equals PyTorch's cast and the
+reference block dequantization bit for bit."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from slimserve_kernels.moe_common import dequantize_fp8_cpu
+from slimserve_kernels.fp8_cpu import dequantize_fp8_cpu, fp8_values
 from slimserve_kernels.reference import dequantize_fp8_blocks
 
 SHAPES = [  # N, K, block: tiled by 32x64 and 128x128 blocks, per channel, ragged (reference)
@@ -33,3 +34,16 @@ def test_table_dequantization_equals_reference(shape, block, dtype):
     assert got.dtype == want.dtype == dtype and got.shape == want.shape
     assert torch.equal(got.isnan(), want.isnan())
     assert torch.equal(got.nan_to_num(), want.nan_to_num())
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_values_equal_the_cast_for_every_code(fp8, dtype):
+    """The table lookup equals PyTorch's own cast bit for bit, for all 256 codes (NaNs
+    included), in a non-contiguous gathered shape."""
+    codes = torch.arange(256, dtype=torch.uint8).repeat(3).view(fp8)
+    x = codes.view(2, 3, 2, 64)[:, ::2]  # non-contiguous, like a view of a gathered cache
+    got, want = fp8_values(x, dtype), x.to(dtype)
+    assert got.shape == want.shape
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(0.0), want.nan_to_num(0.0))
