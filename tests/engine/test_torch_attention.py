@@ -31,6 +31,20 @@ def test_decode_matches_reference(dtype):
     )
 
 
+def twin_caches(dtype, nb: int, bs: int, k: torch.Tensor, v: torch.Tensor) -> list[tuple]:
+    """Two identical paged caches (K, V[, K scales, V scales]) of nb blocks of bs tokens,
+    every slot written with k / v [nb * bs, Hkv, D]: one for the reference, one for the path
+    under test."""
+    fp8, hkv, d = dtype == torch.float8_e4m3fn, k.shape[1], k.shape[2]
+    caches = []
+    for _ in range(2):
+        kc = torch.zeros(nb, bs, hkv, d, dtype=dtype)
+        scales = [torch.zeros(nb, bs, hkv, dtype=torch.int8) if fp8 else None for _ in "kv"]
+        caches.append((kc, torch.zeros_like(kc), *scales))
+        reference.kv_write(k, v, *caches[-1], torch.arange(nb * bs))
+    return caches
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])
 def test_decode_layer_matches_write_then_attend(dtype):
     """The per-step context path (prepare_decode once, decode_layer per layer) writes the
@@ -39,15 +53,8 @@ def test_decode_layer_matches_write_then_attend(dtype):
     Seen failing: with the -1 slot written as-is (index_copy_ of every row: IndexError)."""
     torch.manual_seed(1)
     nb, bs, hkv, hq, d = 12, 4, 2, 6, 16
-    fp8 = dtype == torch.float8_e4m3fn
-    caches = []
-    for _ in range(2):
-        kc = torch.zeros(nb, bs, hkv, d, dtype=dtype)
-        scales = [torch.zeros(nb, bs, hkv, dtype=torch.int8) if fp8 else None for _ in "kv"]
-        caches.append((kc, torch.zeros_like(kc), *scales))
     old = torch.randn(nb * bs, hkv, d)
-    for c in caches:
-        reference.kv_write(old, old * 2, *c, torch.arange(nb * bs))
+    caches = twin_caches(dtype, nb, bs, old, old * 2)
     tables = torch.tensor([[3, 7, 1, 0], [5, 2, 9, 11], [4, 0, 0, 0]], dtype=torch.int32)
     lens = torch.tensor([10, 16, 1], dtype=torch.int32)
     slots = torch.tensor([1 * bs + 1, 11 * bs + 3, -1])  # the third row is padding
@@ -73,15 +80,8 @@ def test_short_extend_matches_reference_prefill(dtype):
     masks), and with every query seeing the whole step (no causal mask within it)."""
     torch.manual_seed(2)
     nb, bs, hkv, hq, d = 12, 4, 2, 6, 16
-    fp8 = dtype == torch.float8_e4m3fn
-    caches = []
-    for _ in range(2):
-        kc = torch.zeros(nb, bs, hkv, d, dtype=dtype)
-        scales = [torch.zeros(nb, bs, hkv, dtype=torch.int8) if fp8 else None for _ in "kv"]
-        caches.append((kc, torch.zeros_like(kc), *scales))
     old = torch.randn(nb * bs, hkv, d) * 2
-    for c in caches:
-        reference.kv_write(old, old * 0.5, *c, torch.arange(nb * bs))
+    caches = twin_caches(dtype, nb, bs, old, old * 0.5)
     tables = torch.tensor([[3, 7, 1, 0], [5, 2, 9, 11], [4, 6, 0, 0]], dtype=torch.int32)
     lens = torch.tensor([10, 16, 5], dtype=torch.int32)
     n_new = [3, 1, 5]
