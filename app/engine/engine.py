@@ -97,8 +97,8 @@ class Engine:
         if self.tp_group is None:
             self.cache = KVCache(self.kv_spec, num_blocks, self.device)
             self.runner = ModelRunner(args[0], self.cache, *args[1:])
-            eager = self.config.enforce_eager or not capturable(self.model)
-            if self.device.type == "cuda" and not eager:
+            graphs = self.device.type == "cuda" and not self.config.enforce_eager
+            if graphs and capturable(self.model):  # (capturable stacks MoE experts: CUDA only)
                 mc = self.model_config  # decode graphs per batch bucket, before any request
                 max_len, vocab = mc.max_position_embeddings, mc.vocab_size
                 self.runner.enable_graphs(self.config.scheduler.max_num_seqs, max_len, vocab)
