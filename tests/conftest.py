@@ -9,6 +9,21 @@ import pytest  # noqa: E402
 from tiny_models import FAMILIES, make_checkpoint  # noqa: E402
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` run compiled kernels on CUDA: skipped without a GPU, and under the
+    Triton interpreter (on here by default; TRITON_INTERPRET=0 to run them)."""
+    import torch
+
+    reason = None
+    if not torch.cuda.is_available():
+        reason = "needs CUDA"
+    elif os.environ.get("TRITON_INTERPRET") == "1":
+        reason = "TRITON_INTERPRET=1"
+    for item in items if reason else ():
+        if item.get_closest_marker("gpu"):
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def no_orphan_processes():
     """Set up first, torn down last: after every other fixture (Ray, TP workers) has ended,

@@ -8,19 +8,13 @@ Skipped without CUDA, and under the Triton interpreter (tests/conftest.py defaul
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from app import LLM, SamplingParams
 from app.engine.step import plan_step
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="TRITON_INTERPRET=1"),
-]
+pytestmark = pytest.mark.gpu  # skipped without CUDA or under the interpreter (conftest)
 # A set KV budget: the default (85% of free memory) leaves no room for the test's clones.
 KW = dict(
     dtype="float32", device="cuda", block_size=16, max_num_seqs=16, kv_cache_memory_bytes=1 << 30

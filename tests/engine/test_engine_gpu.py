@@ -10,18 +10,12 @@ Skipped without CUDA, and under the Triton interpreter (tests/conftest.py defaul
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from app import LLM, SamplingParams
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="TRITON_INTERPRET=1"),
-]
+pytestmark = pytest.mark.gpu  # skipped without CUDA or under the interpreter (conftest)
 PROMPT = [7] + [i % 300 + 3 for i in range(60)]
 # fp32 activations, but Triton's tl.dot runs fp32 inputs as TF32 (10-bit mantissa) on
 # Hopper, and a MoE router can flip a near-tie expert: errors of ~1e-3 of the logits' spread,
