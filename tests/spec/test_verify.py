@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from app.engine.spec import verify
-from app.engine.spec.verify import accepted_lengths, rejection_sample, verify_point_mass
+from app.engine.spec.verify import rejection_sample, verify_point_mass
 
 V, K, N = 6, 2, 200_000
 
@@ -132,7 +132,6 @@ def test_accepted_lengths_stop_at_first_mismatch_and_padding():
     target = torch.tensor([[3, 4, 5, 6], [3, 9, 5, 6], [3, 4, 5, 6], [1, 1, 1, 1]])
     proposals = torch.tensor([[3, 4, 5], [3, 4, 5], [3, 4, 5], [0, 0, 0]])
     num = torch.tensor([3, 3, 2, 0])
-    assert accepted_lengths(target, proposals, num).tolist() == [3, 1, 2, 0]
     rows = [row[: n + 1] for row, n in zip(target.tolist(), num.tolist())]
     mine = [row[:n] for row, n in zip(proposals.tolist(), num.tolist())]
     emitted, accepted = verify_point_mass(rows, mine)

@@ -23,18 +23,6 @@ from __future__ import annotations
 import torch
 
 
-def accepted_lengths(
-    target: torch.Tensor,  # [B, K+1] int64: the target's token per row
-    proposals: torch.Tensor,  # [B, K] int64
-    num_proposed: torch.Tensor,  # [B] int64
-) -> torch.Tensor:
-    """[B] int64: how many leading proposals equal the target's tokens."""
-    k = proposals.shape[1]
-    valid = torch.arange(k, device=proposals.device) < num_proposed.unsqueeze(1)
-    match = (target[:, :k] == proposals) & valid
-    return match.long().cumprod(1).sum(1)
-
-
 def verify_point_mass(
     target: list[list[int]], proposals: list[list[int]]
 ) -> tuple[list[list[int]], list[int]]:
