@@ -25,6 +25,7 @@ KV_DTYPES = ("auto", "bf16", "bfloat16", "float16", "float32", "fp16", "fp32", "
 DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
 ATTENTION_BACKENDS = ("auto", "torch", "reference", "triton")
 WEIGHT_QUANTS = (None, "int4", "fp8")
+FP8_ACTIVATIONS = ("auto", "w8a16", "w8a8")
 _TORCH_DTYPES = {  # name -> torch attribute
     "float32": "float32",
     "fp32": "float32",
@@ -233,6 +234,12 @@ class EngineConfig:
     weight_quant: str | None = opt(
         None, "quantize weights on load (int4: W4A16, fp8)", WEIGHT_QUANTS
     )
+    fp8_activations: str = opt(
+        "auto",
+        "FP8 weights on CUDA: w8a16 (bf16 activations), w8a8 (FP8 per-token-group activations),"
+        " auto (w8a8 where FP8 tensor cores and enough tokens; app/quant/fp8_activations.py)",
+        FP8_ACTIVATIONS,
+    )
     attention_backend: str = opt("auto", "attention implementation", ATTENTION_BACKENDS)
     tensor_parallel_size: int = opt(1, "ranks the model is split over")
     enable_expert_parallel: bool = opt(False, "MoE: whole experts partitioned across TP ranks")
@@ -249,6 +256,7 @@ class EngineConfig:
         _check(isinstance(self.model, str) and bool(self.model), "model: a checkpoint folder")
         _choice("dtype", self.dtype, DTYPES)
         _choice("weight_quant", self.weight_quant, WEIGHT_QUANTS)
+        _choice("fp8_activations", self.fp8_activations, FP8_ACTIVATIONS)
         _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         tp = self.tensor_parallel_size
         _check(_positive_int(tp), f"tensor_parallel_size must be >= 1, got {tp!r}")

@@ -31,6 +31,7 @@ __all__ = [
     "paged_prefill_attention",
     "triton_available",
     "triton_fp8_gemm",
+    "triton_fp8_w8a8_gemm",
     "triton_fused_moe",
     "triton_int4_gemm",
     "triton_kv_write",
@@ -76,6 +77,11 @@ def triton_int4_gemm(*args, **kwargs) -> torch.Tensor:
 
 def triton_fp8_gemm(*args, **kwargs) -> torch.Tensor:
     return _kernel("fp8_gemm_triton", "fp8_gemm")(*args, **kwargs)
+
+
+def triton_fp8_w8a8_gemm(*args, **kwargs) -> torch.Tensor:
+    """W8A8: x quantized per token group to FP8, then the FP8 block GEMM (fp8_w8a8_triton)."""
+    return _kernel("fp8_w8a8_triton", "fp8_w8a8_gemm")(*args, **kwargs)
 
 
 def triton_fused_moe(*args, **kwargs) -> torch.Tensor:

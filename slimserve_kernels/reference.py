@@ -197,6 +197,52 @@ def fp8_gemm(
     return (x.float() @ dequantize_fp8_blocks(weight, scale, block).T).to(x.dtype)
 
 
+FP8_GROUP = 128  # activation columns per scale (DeepSeek-V3 / Kimi K2 FP8 block checkpoints)
+FP8_AMAX_EPS = 1e-10  # an all-zero group gets a tiny scale instead of 0 (no 0 / 0)
+
+
+def quantize_fp8_token_groups(
+    x: torch.Tensor,  # [M, K] fp16/bf16/fp32
+    group: int = FP8_GROUP,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token-group FP8: (q [M, K] float8_e4m3fn, s [M, ceil(K / group)] float32) with
+    x ~= q * s per (row, group of `group` columns); s = amax / 448, the last group may be
+    partial. The scale is not a power of two (as DeepSeek-V3's `act_quant`): x / s rounds
+    once more than x * 2**-e would, but uses the whole e4m3 range."""
+    m, k = x.shape
+    pad = -k % group
+    xg = torch.nn.functional.pad(x.float(), (0, pad)).view(m, -1, group)  # [M, G, group]
+    s = xg.abs().amax(-1).clamp_min(FP8_AMAX_EPS) / FP8_MAX  # [M, G]
+    q = (xg / s.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).view(m, -1)[:, :k]
+    return q.to(FP8_DTYPE), s
+
+
+def fp8_block_gemm(
+    a: torch.Tensor,  # [M, K] float8_e4m3fn
+    a_scale: torch.Tensor,  # [M, ceil(K / group)] float32
+    weight: torch.Tensor,  # [N, K] float8_e4m3fn
+    scale: torch.Tensor,  # [ceil(N / bn), ceil(K / bk)] float32
+    block: tuple[int, int],  # (bn, bk)
+    out_dtype: torch.dtype,
+    group: int = FP8_GROUP,
+) -> torch.Tensor:
+    """W8A8: both operands dequantized with their scales (a row's group scale is a (1, group)
+    block), one fp32 matmul -> [M, N] out_dtype."""
+    x = dequantize_fp8_blocks(a, a_scale, (1, group))
+    return (x @ dequantize_fp8_blocks(weight, scale, block).T).to(out_dtype)
+
+
+def fp8_w8a8_gemm(
+    x: torch.Tensor,  # [M, K] fp16/bf16/fp32
+    weight: torch.Tensor,  # [N, K] float8_e4m3fn
+    scale: torch.Tensor,  # [ceil(N / bn), ceil(K / bk)] float32
+    block: tuple[int, int],  # (bn, bk)
+) -> torch.Tensor:
+    """y = x @ W.T with x quantized per token group to FP8 first (W8A8) -> [M, N] x.dtype."""
+    q, s = quantize_fp8_token_groups(x)
+    return fp8_block_gemm(q, s, weight, scale, block, x.dtype)
+
+
 def fused_moe(
     x: torch.Tensor,  # [T, H]
     topk_weights: torch.Tensor,  # [T, k] float32 routing weights

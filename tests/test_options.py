@@ -17,6 +17,7 @@ VALID = {
     "dtype": "bf16",
     "device": "cpu",
     "weight_quant": "int4",
+    "fp8_activations": "w8a8",
     "attention_backend": "torch",
     "tensor_parallel_size": 2,
     "enable_expert_parallel": True,
@@ -38,6 +39,7 @@ VALID = {
 INVALID = {
     "dtype": "float8",
     "weight_quant": "int3",
+    "fp8_activations": "fp4",
     "attention_backend": "flash",
     "tensor_parallel_size": 0,
     "speculative_config": {"method": "telepathy"},

@@ -22,17 +22,19 @@ from app.engine.tp_driver import min_over_ranks
 from app.kv.dtypes import resolve as resolve_kv_dtype
 from app.kv.layout import KVCacheSpec
 from app.models.parallel import TPContext
-from app.quant import apply_weight_quant
+from app.quant import apply_weight_quant, set_fp8_activations
 from app.quant.load import load_model
 
 
 def load_rank_model(
     config: EngineConfig, tp: TPContext, device, dtype, progress=False, mtp=False
 ) -> tuple[nn.Module, ModelConfig]:
-    """This rank's shard of the model, weight-quantized (weight_quant) if asked."""
+    """This rank's shard of the model, weight-quantized (weight_quant) if asked, its FP8
+    linears running W8A8 or W8A16 as `fp8_activations` says."""
     model, model_config = load_model(config.model, dtype, device, tp, progress, mtp)
     if config.weight_quant is not None:
         apply_weight_quant(model, model_config, config.weight_quant)
+    set_fp8_activations(model, config.fp8_activations)  # FP8 checkpoints or weight_quant="fp8"
     return model, model_config
 
 

@@ -6,9 +6,11 @@
 (per output channel), or 1 x bk when a checkpoint's block rows do not line up with this
 layer's merged shards or tensor-parallel slices (e.g. q/k/v of a model with 64-row k_proj).
 
-CUDA: `slimserve_kernels.fp8_gemm` (Triton, dequantized in the kernel). CPU: the weight is
-dequantized to the activation dtype for each forward (one layer at a time, then freed), so
-resident memory stays FP8 on both.
+CUDA: `slimserve_kernels.fp8_gemm` (Triton W8A16, dequantized in the kernel) or, by the
+`fp8_activations` rule (fp8_activations.py), W8A8: the activations quantized per token group
+to FP8 and `slimserve_kernels.triton_fp8_w8a8_gemm`. CPU: the weight is dequantized to the
+activation dtype for each forward (one layer at a time, then freed), so resident memory stays
+FP8 on both.
 
 Loading: the format converter (formats.py) hands the scale over expanded to one row per
 output row (`[N_ckpt, K_blocks]`), so the layer's own weight loader (merged, QKV, column or
@@ -26,6 +28,7 @@ from torch import nn
 
 import slimserve_kernels
 from app.models.parallel import SINGLE
+from app.quant.fp8_activations import use_w8a8
 from app.quant.linear import UNSHARDED, LinearRole, QuantizedLinear
 from app.quant.params import copy_loader, loaded_param
 from slimserve_kernels.fp8_cpu import dequantize_fp8_cpu
@@ -59,6 +62,7 @@ class Fp8Linear(QuantizedLinear):
             loaded_param(torch.zeros(n, dtype=self.params_dtype), self._loader) if bias else None
         )
         self.shards: dict = {}  # the replaced layer's `output_shards` (merged projections)
+        self.fp8_activations = "auto"  # the engine option (set_fp8_activations)
 
     @classmethod
     def like(cls, layer: nn.Module, block: tuple[int, int]) -> Fp8Linear:
@@ -96,14 +100,27 @@ class Fp8Linear(QuantizedLinear):
         return dequantize_fp8_cpu(self.weight, self.weight_scale_inv, self.block, dtype)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:  # x: [M, K] -> [M, N]
-        if slimserve_kernels.use_triton(x):
-            return slimserve_kernels.triton_fp8_gemm(
-                x, self.weight, self.weight_scale_inv, self.block
-            )
-        return F.linear(x, self.dequantized_weight(x.dtype))
+        if not slimserve_kernels.use_triton(x):  # CPU: W8A16 through a per-layer dequant
+            return F.linear(x, self.dequantized_weight(x.dtype))
+        args = (x, self.weight, self.weight_scale_inv, self.block)
+        if use_w8a8(self.fp8_activations, x):
+            return slimserve_kernels.triton_fp8_w8a8_gemm(*args)
+        return slimserve_kernels.triton_fp8_gemm(*args)
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, fp8 e4m3, block={self.block}"
+        acts = self.fp8_activations
+        return (
+            f"in={self.in_features}, out={self.out_features}, fp8 e4m3, block={self.block}, {acts}"
+        )
+
+
+def set_fp8_activations(model: nn.Module, mode: str) -> int:
+    """Every `Fp8Linear` of the model runs W8A8 / W8A16 by `mode` (fp8_activations.py);
+    returns how many."""
+    layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    for layer in layers:
+        layer.fp8_activations = mode
+    return len(layers)
 
 
 def output_shards(layer: nn.Module) -> dict:

@@ -30,11 +30,23 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 # The Triton modules (slimserve_kernels.int4_gemm is the dispatch function).
-attn_common, fp8_gemm, fused_moe, int4_gemm, kv_write, paged_decode, paged_prefill = (
+(
+    attn_common,
+    act_quant,
+    fp8_gemm,
+    w8a8,
+    fused_moe,
+    int4_gemm,
+    kv_write,
+    paged_decode,
+    paged_prefill,
+) = (
     importlib.import_module(f"slimserve_kernels.{m}")
     for m in (
         "attn_common",
+        "fp8_act_quant_triton",
         "fp8_gemm_triton",
+        "fp8_w8a8_triton",
         "fused_moe_triton",
         "int4_gemm_triton",
         "kv_write_triton",
@@ -80,10 +92,28 @@ def compile_call(fn, args, kwargs, target) -> dict[str, int]:
     options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
     sig = {n: _arg_type(a) for n, a in zip(fn.arg_names, args)}
     sig.update({n: "constexpr" for n in kwargs})
-    src = ASTSource(fn, sig, constexprs=kwargs)
+    src = ASTSource(fn, sig, constexprs=kwargs, attrs=divisibility(fn, args))
     kernel = triton.compile(src, target=target, options=options)
     assert kernel.asm.get("cubin"), f"{fn.__name__}: no cubin"
-    return resource_usage(kernel.asm["cubin"])
+    usage = resource_usage(kernel.asm["cubin"])
+    if ".e4m3.e4m3" in kernel.asm["ptx"]:  # an MMA on FP8 operands (wgmma / mma.sync)
+        usage["FP8_MMA"] = 1
+    return usage
+
+
+def divisibility(fn, args) -> dict:
+    """`tt.divisibility=16` on each pointer aligned to 16 bytes and each int divisible by 16,
+    as a real launch specializes them (Triton's launcher checks the values). Without it the
+    compiler may not use vectorized or asynchronous copies: an FP8 tile loop is then neither
+    pipelined nor free of spills, although it is both when launched on a GPU."""
+    attrs = {}
+    for i, a in enumerate(args):
+        aligned = a.data_ptr() % 16 == 0 if isinstance(a, torch.Tensor) else None
+        if isinstance(a, int) and not isinstance(a, bool):
+            aligned = a % 16 == 0
+        if aligned:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return attrs
 
 
 def resource_usage(cubin: bytes) -> dict[str, int]:
@@ -184,6 +214,26 @@ def fp8_gemm_launches(arch: int) -> list:
     return out
 
 
+def w8a8_launches(arch: int) -> list:
+    """Activation quantization, then the W8A8 GEMM at the decode / small / prefill configs:
+    FP8 dots from sm_89, fp16 dots on uint8 bits below (as on an A100)."""
+    x = torch.zeros(512, 4096, dtype=torch.bfloat16)
+    out = record(act_quant, ["_act_quant_kernel"], act_quant.quantize_fp8_token_groups, x)
+    w, s = torch.zeros(4096, 4096, dtype=FP8), torch.zeros(32, 32, dtype=torch.float32)
+    real = w8a8.fp8_dot_native
+    w8a8.fp8_dot_native = lambda t: arch >= 89
+    real_operand = w8a8._operand  # CPU tensors stand in for CUDA ones: the GPU's operand
+    w8a8._operand = lambda t, native: t if native else t.view(torch.uint8)
+    try:
+        for m in (1, 32, 64, 512):
+            a, a_s = torch.zeros(m, 4096, dtype=FP8), torch.zeros(m, 32, dtype=torch.float32)
+            args = (a, a_s, w, s, (128, 128), torch.bfloat16)
+            out += record(w8a8, ["_w8a8_gemm_kernel"], w8a8.fp8_block_gemm, *args)
+    finally:
+        w8a8.fp8_dot_native, w8a8._operand = real, real_operand
+    return out
+
+
 def moe_weights(kind: str, arch: int, e=8, h=256, inter=128, group=128, zeros=False):
     """Stacked experts of each kind; below sm_89 FP8 goes in as uint8 bits (as on an A100)."""
     if kind == "dense":
@@ -231,7 +281,8 @@ def launches(arch: int) -> list:
         out = attention_launches(FP8) + attention_launches(torch.bfloat16)
     finally:
         attn_common.fp8_native = real
-    return out + gemm_launches() + fp8_gemm_launches(arch) + fused_moe_launches(arch)
+    out += gemm_launches() + fp8_gemm_launches(arch) + w8a8_launches(arch)
+    return out + fused_moe_launches(arch)
 
 
 def main(archs: list[int]) -> None:

@@ -32,7 +32,9 @@ def test_kernels_compile_for_sm90_and_sm80():
     """The expectation comes from the output's own launch lines and from slimserve_kernels/
     itself: a new kernel that gpu_compile.py does not launch fails here. Seen to fail: with the
     fused MoE launches removed from gpu_compile.py, `_moe_gemm_kernel` was reported missing; with
-    4 warps in fused_moe.choose_config the sm_90 spill check failed (288-byte stack)."""
+    4 warps in fused_moe.choose_config the sm_90 spill check failed (288-byte stack), before
+    launches were compiled with their divisibility (gpu_compile.divisibility). Seen failing:
+    W8A8 with the FP8 operands upcast to fp16 on sm_90 (FP8_DOT=False) has no FP8 MMA."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = Path(__file__).with_name("gpu_compile.py")
     res = subprocess.run(
@@ -47,3 +49,9 @@ def test_kernels_compile_for_sm90_and_sm80():
     for t in TARGETS:
         compiled = {name for sm, name in lines if sm == t}
         assert compiled == launched_kernels(), f"sm_{t}: {compiled ^ launched_kernels()}"
+    # W8A8 on Hopper: the tiles of M >= 64 run FP8 wgmma (Triton's mma.sync path upcasts FP8
+    # to fp16 on sm_90, so BLOCK_M 16/32 do); sm_80 has no FP8 MMA at all.
+    w8a8 = re.findall(r"^sm_(\d+) _w8a8_gemm_kernel (\{.*?\}) .*'BLOCK_M', (\d+)", res.stdout, re.M)
+    assert {sm for sm, _, _ in w8a8} == set(TARGETS)
+    for sm, usage, bm in w8a8:
+        assert ("FP8_MMA" in usage) == (sm == "90" and int(bm) >= 64), (sm, bm, usage)
