@@ -1,6 +1,7 @@
 """Kernel benchmarks: INT4 W4A16 GEMM vs bf16 torch.matmul, FP8 vs BF16 paged decode attention,
 and at the seed's model shapes (bench/kernels_models.py): fused MoE vs the per-expert loop,
-FP8 / INT4 GEMMs vs BF16, and the seed's INT4-vs-FP8 decode / prefill table.
+FP8 (W8A16 and W8A8) / INT4 GEMMs vs BF16, W8A8 vs W8A16, and the seed's INT4-vs-FP8
+decode / prefill table.
 
     python bench/kernels.py              # full grid on a GPU
     python bench/kernels.py --quick      # a subset, < 3 minutes on one GPU
@@ -323,9 +324,12 @@ def run(args, device, save=lambda partial: None) -> dict:
         attention_speedup=speedups(rows, "decode_attention", ("batch", "ctx"), "fp8", "bf16"),
         model_rows=model_rows,
         model_gemm_speedup=[
-            *speedups(model_rows, "model_gemm", ("model", "proj", "m"), "fp8", "bf16"),
-            *speedups(model_rows, "model_gemm", ("model", "proj", "m"), "int4", "bf16"),
+            s
+            for impl in ("fp8", "int4", "w8a8")
+            for s in speedups(model_rows, "model_gemm", ("model", "proj", "m"), impl, "bf16")
         ],
+        # W8A8 over W8A16 per projection and M: where it is > 1 is fp8_activations=auto's rule.
+        w8a8_vs_w8a16=speedups(model_rows, "model_gemm", ("model", "proj", "m"), "w8a8", "fp8"),
         seed_table=models.seed_table(model_rows, *g["seed_points"]),
     )
 
@@ -353,6 +357,7 @@ def main() -> None:
     models.plot(result, out / f"{stem}_models.png")
     print(json.dumps({k: result[k] for k in ("gemm_speedup", "attention_speedup")}, indent=1))
     print(models.seed_markdown(result["seed_table"]))
+    print(models.w8a8_markdown(result["w8a8_vs_w8a16"]))
     print(f"wrote {out / stem}.json and .png in {result['wall_s']:.0f}s")
 
 

@@ -5,8 +5,10 @@
   INT4 Triton GEMMs) at the expert shapes of GLM-4.5 (H 5120, I 1536, 160 experts) and
   Kimi K2 (H 7168, I 2048, 384 experts), top-8, for 1-256 tokens; BF16 / FP8-block (128 x 128)
   / INT4 (group 32, as Kimi K2's release) experts, every expert distinct in memory.
-- `gemm`: FP8-block and INT4 (g128) W*A16 GEMMs vs BF16 at the projection shapes of
-  Llama-3-8B, GLM-4.5 and Kimi K2.
+- `gemm`: FP8-block and INT4 (g128) W*A16 GEMMs, and W8A8 (FP8 per-token-group activations,
+  quantization included: impl "w8a8"), vs BF16 at the projection shapes of Llama-3-8B,
+  GLM-4.5 and Kimi K2. "w8a8" vs "fp8" (W8A16) per M is what sets `fp8_activations=auto`'s
+  threshold (app/quant/fp8_activations.py, W8A8_MIN_TOKENS).
 - `seed_table`: the seed's comparisons (INT4 vs FP8 decode step, INT4 prefill penalty) per
   model from those rows: one layer's projection GEMMs + its routed experts (fused MoE).
 
@@ -179,6 +181,10 @@ def bench_gemm(shapes: dict, ms: list[int], device, dtype, time_ms) -> list[dict
                         partial(slimserve_kernels.triton_int4_gemm, *b4),
                         partial(reference.int4_gemm, *b4),
                     ),
+                    "w8a8": (  # the activation quantization included, as Fp8Linear runs it
+                        partial(slimserve_kernels.triton_fp8_w8a8_gemm, *b8),
+                        partial(reference.fp8_w8a8_gemm, *b8),
+                    ),
                 }
                 for impl, (fn, ref) in fns.items():
                     row = dict(op="model_gemm", model=model, proj=proj, impl=impl, m=m, k=k, n=n)
@@ -247,6 +253,18 @@ def seed_markdown(table: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def w8a8_markdown(speedups: list[dict]) -> str:
+    """W8A8 over W8A16 per M: geometric mean, min and max over the models' projections."""
+    import math
+
+    lines = ["| M | W8A8 / W8A16 speedup (geo. mean) | min | max |", "|---:|---:|---:|---:|"]
+    for m in sorted({s["m"] for s in speedups}):
+        v = [s["speedup"] for s in speedups if s["m"] == m]
+        geo = math.exp(sum(map(math.log, v)) / len(v))
+        lines.append(f"| {m} | {geo:.2f}x | {min(v):.2f}x | {max(v):.2f}x |")
+    return "\n".join(lines)
+
+
 def plot(result: dict, path) -> None:
     """Fused MoE over the loop vs tokens; FP8 / INT4 GEMM over BF16 vs M (geometric mean over
     each model's projections)."""
@@ -273,7 +291,7 @@ def plot(result: dict, path) -> None:
         pts = sorted((m, math.exp(sum(v) / len(v))) for m, v in by_m.items())
         ax2.plot(*zip(*pts), marker="o", label=" ".join(key))
     ax2.set(xscale="log", xlabel="M (tokens)", ylabel="BF16 ms / ms (geo. mean over projections)",
-            title="FP8 / INT4 GEMM vs BF16 at model shapes")  # fmt: skip
+            title="FP8 (W8A16, W8A8) / INT4 GEMM vs BF16 at model shapes")  # fmt: skip
     for ax in (ax1, ax2):
         ax.axhline(1.0, color="gray", lw=0.8)
         ax.legend(fontsize=7)

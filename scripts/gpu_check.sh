@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Everything that needs a GPU, as one run of a lent GPU's short time (docs/performance.md,
-# "On a GPU"): the GPU tests, the engine benchmark (CUDA graphs vs eager, INT4 / FP8 weights,
-# FP8 KV), the kernels benchmark and, when named, the INT4 GEMV sweep. Each stage has its own
+# "On a GPU"): the GPU tests (W8A8 FP8 GEMM included), the engine benchmark (CUDA graphs vs
+# eager, INT4 / FP8 weights, FP8 KV), the kernels benchmark (its model_gemm rows: W8A8 vs
+# W8A16 vs BF16, which set fp8_activations=auto's threshold) and, when named, the INT4 GEMV
+# sweep. Each stage has its own
 # time limit and writes to $OUT as it goes, so a stage cut short leaves the others' results.
 #
 #   OUT=/tmp/gpu bash scripts/gpu_check.sh            # python3 = a python with torch + triton

@@ -42,9 +42,10 @@ def test_cpu_smoke(tmp_path):
     }
     assert all(r["rel_err"] < 2e-3 and r["ms"] > 0 and r["loop_ms"] > 0 for r in moe)
     gemm = [r for r in result["model_rows"] if r["op"] == "model_gemm"]
-    assert {r["impl"] for r in gemm} == {"bf16", "fp8", "int4"}
+    assert {r["impl"] for r in gemm} == {"bf16", "fp8", "int4", "w8a8"}
     assert all(r["rel_err"] < 2e-3 for r in gemm if r["impl"] != "bf16")
-    assert len(result["model_gemm_speedup"]) == 2 * len(gemm) // 3
+    assert len(result["model_gemm_speedup"]) == 3 * len(gemm) // 4
+    assert len(result["w8a8_vs_w8a16"]) == len(gemm) // 4
     table = result["seed_table"]
     assert [(r["phase"], r["tokens"]) for r in table] == [("decode", 1), ("prefill", 5)]
     assert all(r["int4_speedup_vs_fp8"] > 0 for r in table)

@@ -110,6 +110,33 @@ def test_fp8_gemm_gpu(m, block):
     assert ((out - ref).abs().max() / ref.abs().max()).item() < 1e-2
 
 
+@pytest.mark.parametrize("m", [1, 64, 300, 4096])
+@pytest.mark.parametrize("block", [(128, 128), (1, 4096)])
+def test_w8a8_gemm_gpu(m, block):
+    """W8A8 at Llama-3-8B's down projection (K 14336 -> N 4096): bf16 activations quantized per
+    token group on the GPU, bit for bit as the reference quantizes the same tensor there (both
+    divide with IEEE rounding); then the GEMM with real FP8 dots (sm_89+; fp16 dots below)
+    against the reference on the same FP8 operands, and W8A8 against W8A16 (the activations'
+    e4m3 rounding: rms ~2%, as under the interpreter)."""
+    act, w8a8 = _mod("fp8_act_quant_triton"), _mod("fp8_w8a8_triton")
+    gen = torch.Generator().manual_seed(m)
+    n, k = 4096, 14336 if block[1] != 4096 else 4096
+    w = (torch.randn(n, k, generator=gen) * 64).clamp(-448, 448).to(FP8)
+    s = torch.exp2(torch.randint(-14, -9, (-(-n // block[0]), -(-k // block[1])), generator=gen))
+    x = torch.randn(m, k, generator=gen) * torch.exp2(torch.randint(-4, 4, (m, 1), generator=gen))
+    x, w, s = _cuda((x.to(torch.bfloat16), w, s.float()))
+    q, qs = act.quantize_fp8_token_groups(x)
+    rq, rqs = reference.quantize_fp8_token_groups(x)
+    assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(qs, rqs)
+    ref = reference.fp8_block_gemm(q, qs, w, s, block, torch.float32)
+    for fp8_dot in (None, False) if m == 300 else (None,):
+        out = w8a8.fp8_block_gemm(q, qs, w, s, block, torch.bfloat16, fp8_dot=fp8_dot).float()
+        assert ((out - ref).abs().max() / ref.abs().max()).item() < 1e-2, fp8_dot
+    w8a16 = reference.fp8_gemm(x.float(), w, s, block)
+    out = w8a8.fp8_w8a8_gemm(x, w, s, block).float()
+    assert ((out - w8a16).norm() / w8a16.norm()).item() < 0.036
+
+
 @pytest.mark.parametrize("kind", ["dense", "fp8", "int4"])
 @pytest.mark.parametrize("t", [1, 9, 80])
 def test_fused_moe_gpu(kind, t):
