@@ -31,7 +31,9 @@ def ptx(fn, args, kwargs, target) -> str:
     options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
     sig = {n: gpu_compile._arg_type(a) for n, a in zip(fn.arg_names, args)}
     sig.update({n: "constexpr" for n in kwargs})
-    kernel = triton.compile(ASTSource(fn, sig, constexprs=kwargs), target=target, options=options)
+    attrs = gpu_compile.divisibility(fn, args)  # as a real launch specializes them
+    src = ASTSource(fn, sig, constexprs=kwargs, attrs=attrs)
+    kernel = triton.compile(src, target=target, options=options)
     return kernel.asm["ptx"]
 
 
