@@ -90,7 +90,8 @@ def choose_config(m: int, n: int, k: int, sbk: int, num_sms: int = 132) -> dict:
     want long K tiles (32 bytes of K per MMA k-step), and 128 divides both scale columns in
     the 128 x 128 checkpoints. Chosen from first principles and compiled without spills for
     sm_90 (tests/kernels/gpu_compile.py); not timed on a GPU yet (bench/kernels.py)."""
-    bk = next(b for b in (128, 64, 32) if FP8_GROUP % b == 0 and (sbk % b == 0 or sbk >= k))
+    bk = next((b for b in (128, 64, 32) if sbk % b == 0 or sbk >= k), None)
+    assert bk is not None, f"weight scale blocks of {sbk} columns: not a multiple of 32"
     if m <= 64:
         bm, bn, warps = (16 if m <= 16 else 32 if m <= 32 else 64), 64, 4
     else:
@@ -137,6 +138,8 @@ def fp8_block_gemm(
     native = fp8_dot_native(a)
     fp8_dot = native if fp8_dot is None else fp8_dot
     assert native or not (fp8_dot and a.is_cuda), "FP8 dots need compute capability >= 8.9"
+    if m == 0:
+        return torch.empty(0, n, device=a.device, dtype=out_dtype)
     cfg = config or choose_config(m, n, k, sbk, num_sms(a))
     bk = cfg["BLOCK_K"]
     assert group % bk == 0 and (sbk % bk == 0 or sbk >= k), "a K tile may straddle a scale"

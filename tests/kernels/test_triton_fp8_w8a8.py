@@ -130,9 +130,17 @@ def test_w8a8_error_within_fp8_activation_rounding():
     assert 1e-3 < rms < 0.036, rms  # quantized (not exact), and as fine as e4m3 rounding
 
 
+def test_no_rows():
+    w, s = _weight(40, 256, (128, 128), torch.Generator().manual_seed(0))
+    out = gemm.fp8_w8a8_gemm(torch.zeros(0, 256), w, s, (128, 128))
+    assert out.shape == (0, 40) and out.dtype == torch.float32
+
+
 def test_config_table():
     assert gemm.choose_config(1, 4096, 4096, 128)["split_k"] > 1  # decode fills the GPU
     big = gemm.choose_config(4096, 4096, 4096, 128)
     assert big["split_k"] == 1 and big["BLOCK_M"] == 128 and big["BLOCK_K"] == 128
     assert gemm.choose_config(3, 72, 136, 136)["BLOCK_K"] == 128  # per channel
     assert gemm.choose_config(3, 72, 192, 64)["BLOCK_K"] == 64
+    with pytest.raises(AssertionError, match="multiple of 32"):
+        gemm.choose_config(3, 72, 192, 48)
