@@ -143,8 +143,9 @@ def one_repeat(client, fmt, chunk_parts, new_cache, prompt, tagger) -> dict:
     for mode in (None, *MODES, *MODES[::-1], None):
         warm[mode].append(import_into(cache, fmt, got.chunks, mode, tagger))
     serial = _timed(lambda: [c.verify_tag() for c in got.chunks])
+    hot = hot_hash(got.chunks)
     asyncio.run(drop_all(client, stored))
-    out = {"publish_s": publish_s, "fetch_s": fetch_s}
+    out = {"publish_s": publish_s, "fetch_s": fetch_s, "hot_hash_wall_s": hot}
     for clock in CLOCKS:
         out[f"encode_untagged_{clock}_s"] = min(r[clock] for r in enc[None])
         out[f"import_unchecked_{clock}_s"] = min(r[clock] for r in warm[None])
@@ -156,22 +157,80 @@ def one_repeat(client, fmt, chunk_parts, new_cache, prompt, tagger) -> dict:
     return out
 
 
+def hot_hash(chunks) -> float:
+    """One side's hashing at its fastest (wall seconds): xxh3 ``update`` over every payload
+    byte in the pieces the import feeds (a layer's K and V), each piece hashed once untimed
+    to bring it into cache, then timed. No same-pass tag can cost less than this per side."""
+    total = 0.0
+    for chunk in chunks:
+        kv, _ = chunk.to_tensors()
+        per_layer = kv[0].numel() * kv.element_size()
+        for off in range(0, chunk.nbytes, per_layer):
+            piece, hasher = chunk.payload[off : off + per_layer], chunk.tag_hasher()
+            hasher.update(piece)
+            t = time.perf_counter()
+            hasher.update(piece)
+            total += time.perf_counter() - t
+    return total
+
+
+def rates(repeats: int = 5) -> dict[str, float]:
+    """GB/s of the venv's xxh3_64 (one-shot and streaming ``update``) and of a torch copy on
+    256 KiB - 4 MiB buffers: "hot" re-reads one buffer (cache-resident up to L2's size),
+    "cold" walks 256 MiB so every read comes from memory. Best of ``repeats``."""
+    import torch
+
+    pool = torch.randint(0, 255, (256 << 20,), dtype=torch.uint8)
+    dst = torch.empty_like(pool)
+    out = {}
+    for size in (256 << 10, 1 << 20, 4 << 20):
+        n = (512 << 20) // size  # bytes moved per timing: 512 MiB
+        for where, step in (("hot", 0), ("cold", size)):
+            offs = [(i * step) % (pool.numel() - size + 1) for i in range(n)]
+            for kind, fn in _rate_fns(pool, dst, offs, size).items():
+                best = min(_timed(fn)["wall"] for _ in range(repeats))
+                out[f"{kind}_{where}_{size >> 10}KiB_gb_s"] = n * size / best / 1e9
+    return out
+
+
+def _rate_fns(pool, dst, offs: list[int], size: int) -> dict:
+    import xxhash
+
+    views = [memoryview(pool[o : o + size].numpy()) for o in offs]
+    hasher = xxhash.xxh3_64()  # one streaming state fed every piece, as a chunk's tag is
+    pairs = [(dst[o : o + size], pool[o : o + size]) for o in offs]
+    return {
+        "xxh3_oneshot": lambda: [xxhash.xxh3_64_intdigest(v) for v in views],
+        "xxh3_update": lambda: [hasher.update(v) for v in views],
+        "torch_copy": lambda: [d.copy_(s) for d, s in pairs],
+    }
+
+
 async def drop_all(client, stored) -> None:
     await asyncio.gather(*(client.drop(s.key, "evict") for s in stored))
 
 
 def shares(t: dict, mode: str, clock: str) -> dict:
-    """Integrity cost and share of one mode on one clock, from one set of stage times."""
+    """Integrity cost and shares of one mode on one clock, from one set of stage times.
+
+    integrity_share: of encode + publish + fetch + import (the cache write included);
+    check_share: the same integrity of encode + publish + fetch + the import's check alone
+    (no cache write: publish + fetch + verify, the producer's tag and its encode counted);
+    reader_share: the import's check alone of publish + fetch + check (the old measure's
+    terms, the check in the import's pass instead of a pass of its own)."""
     tag_encode = max(0.0, t[f"encode_{mode}_{clock}_s"] - t[f"encode_untagged_{clock}_s"])
     tag_import = max(0.0, t[f"import_{mode}_{clock}_s"] - t[f"import_unchecked_{clock}_s"])
-    transfer = t[f"encode_{mode}_{clock}_s"] + t["publish_s"] + t["fetch_s"]
-    transfer += t[f"import_cold_{mode}_{clock}_s"]
+    moved = t[f"encode_{mode}_{clock}_s"] + t["publish_s"] + t["fetch_s"]
+    transfer = moved + t[f"import_cold_{mode}_{clock}_s"]
+    reader = t["publish_s"] + t["fetch_s"] + tag_import
     return {
         "integrity_s": tag_encode + tag_import,
         "integrity_encode_s": tag_encode,
         "integrity_import_s": tag_import,
         "transfer_s": transfer,
         "integrity_share": (tag_encode + tag_import) / transfer,
+        "check_share": (tag_encode + tag_import) / (moved + tag_import),
+        "reader_share": tag_import / reader,
     }
 
 
@@ -179,16 +238,47 @@ def all_shares(t: dict) -> dict:
     out = {f"{m}/{c}": shares(t, m, c) for m in MODES for c in CLOCKS}
     serial = t["serial_verify_thread_s"]
     out["separate_pass_share"] = serial / (t["publish_s"] + t["fetch_s"] + serial)
+    # Both ends hashing every byte at the cache-hot rate (hot_hash: one side), of the same
+    # pass's transfer: what no same-pass tag can go under on this machine.
+    transfer = shares(t, "same_pass", "thread")["transfer_s"]
+    out["floor_share"] = 2 * t["hot_hash_wall_s"] / transfer
+    return out
+
+
+def spread(runs: list[dict]) -> dict:
+    """Each share computed within each repeat (every stage of one repeat), then its median,
+    quartiles and range over the repeats: how far one run's number can be trusted."""
+    per_run = [all_shares(r) for r in runs]
+    out = {}
+    for key, first in per_run[0].items():
+        names = (
+            ("integrity_share", "check_share", "reader_share")
+            if isinstance(first, dict)
+            else (None,)
+        )
+        for name in names:
+            vals = sorted(s[key][name] if name else s[key] for s in per_run)
+            q = statistics.quantiles(vals, n=4) if len(vals) > 1 else vals * 3
+            label = f"{key}:{name}" if name else key
+            out[label] = {
+                "median": statistics.median(vals),
+                "p25": q[0],
+                "p75": q[2],
+                "min": vals[0],
+                "max": vals[-1],
+            }
     return out
 
 
 def summarize(runs: list[dict], chunk_bytes: int, num_chunks: int) -> dict:
-    """Shares from the per-stage minimum over repeats (the least disturbed run of each
-    stage on a shared box) and, for comparison, from the medians."""
+    """Shares within each repeat (median and spread: the headline), and from the per-stage
+    minimum over repeats (the least disturbed run of each stage, mixed across repeats) and
+    per-stage medians, for comparison with earlier runs."""
     best = {k: min(r[k] for r in runs) for k in runs[0]}
     med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
     return {
         "load_average_1m": os.getloadavg()[0],  # a shared box: how disturbed the runs were
+        "shares_per_repeat": spread(runs),
         "chunk_bytes": chunk_bytes,
         "num_chunks": num_chunks,
         "repeats": len(runs),
@@ -240,7 +330,10 @@ def main() -> int:
     try:
         client = KVStoreClient(create_store(4 << 30))
         ray.get(client.shards[0].stats.remote())  # actor start-up is not transfer time
+        load_before = os.getloadavg()[0]
         result = measure(client, a.chunks, a.repeats)
+        result["load_average_1m_before"] = load_before
+        result["rates_gb_s"] = rates()
     finally:
         ray.shutdown()
     path = write_json("kv_transfer", result)
@@ -250,18 +343,24 @@ def main() -> int:
 
 
 def _print(result: dict) -> None:
+    for k, v in result["rates_gb_s"].items():
+        print(f"{k:<36}{v:>10.1f} GB/s")
     print(f"{'stage':<36}{'min ms':>10}{'median ms':>11}")
     for k, v in result["min_s"].items():
         print(f"{k:<36}{v * 1e3:>10.2f}{result['median_s'][k] * 1e3:>11.2f}")
+    print(f"{'share, per repeat':<44}{'median':>8}{'p25':>8}{'p75':>8}{'min':>8}{'max':>8}")
+    for key, s in result["shares_per_repeat"].items():
+        cols = "".join(f"{s[q]:>8.2%}" for q in ("median", "p25", "p75", "min", "max"))
+        print(f"{key:<44}{cols}")
     med = result["shares_from_medians"]
     for key, s in result["shares"].items():
-        if key == "separate_pass_share":
-            print(f"{key:<36}{s:>10.2%}{med[key]:>11.2%}")
+        if not isinstance(s, dict):
+            print(f"{key:<36}{s:>10.2%}{med[key]:>11.2%} (stage min / stage medians)")
             continue
         print(
             f"{key:<22} integrity {s['integrity_s'] * 1e3:6.2f} ms of "
             f"{s['transfer_s'] * 1e3:7.2f} ms = {s['integrity_share']:6.2%}"
-            f" (medians {med[key]['integrity_share']:6.2%})"
+            f" (stage medians {med[key]['integrity_share']:6.2%})"
         )
 
 

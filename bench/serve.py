@@ -5,11 +5,13 @@
 - store-hit vs cold TTFT for a 2k-token shared prefix (two prefill replicas, forced apart);
 - chunk transfer: publish / fetch time for Llama-3-8B-sized FP8 chunks, the store-owned put
   (the shard copies) against a plain producer-owned ray.put, and the integrity check's share
-  as the engine pays it (bench/kv_transfer.py's same-pass measure).
+  as the engine pays it (bench/kv_transfer.py's same-pass measure: median and spread of the
+  per-repeat shares, and the floor of hashing every byte at both ends on this machine).
 
-    python bench/serve.py [--model PATH] [--quick]
+    python bench/serve.py [--model PATH] [--quick] [--transfer-only]
 
-Writes bench/results/serve.json and serve.png.
+Writes bench/results/serve.json and serve.png (--transfer-only: the chunk transfer alone,
+bench/results/serve_chunk_transfer.json).
 """
 
 from __future__ import annotations
@@ -135,8 +137,9 @@ def chunk_transfer(num_chunks: int, repeats: int) -> dict:
     """Llama-3-8B-sized FP8 chunks (L=32, Hkv=8, D=128, 256 tokens): ~16.9 MB each. The
     store-owned publish against a plain producer-owned ray.put, and the integrity check as
     the engine pays it (bench/kv_transfer.py: the tag fed in the encode's copy pass, checked
-    in the import's write pass; share of encode + publish + fetch + import). The check as a
-    pass of its own at fetch (what a prefill replica's store hit still does) is beside it."""
+    in the import's write pass; shares within each repeat, median and spread, of encode +
+    publish + fetch + import and of the same without the cache write). The check as a pass of
+    its own at fetch (what a prefill replica's store hit still does) is beside it."""
     import numpy as np
     import ray
     import torch
@@ -174,6 +177,7 @@ def chunk_transfer(num_chunks: int, repeats: int) -> dict:
     ray.kill(client.shards[0])
     size = sum(s.size for s in stored)
     same_pass = engine["shares"]["same_pass/thread"]
+    per_repeat = engine["shares_per_repeat"]  # {median, p25, p75, min, max} per share
     return {
         "chunk_bytes": stored[0].size,
         "num_chunks": num_chunks,
@@ -183,12 +187,32 @@ def chunk_transfer(num_chunks: int, repeats: int) -> dict:
         "publish_gb_s": size / publish_s / 1e9,
         "integrity_s": same_pass["integrity_s"],
         "transfer_s": same_pass["transfer_s"],
-        "integrity_share_of_transfer": same_pass["integrity_share"],
+        "integrity_share_of_transfer": same_pass["integrity_share"],  # from stage minimums
+        # The headline: within each repeat, then median and spread (same pass, its thread)
+        "integrity_share": per_repeat["same_pass/thread:integrity_share"],
+        "integrity_share_without_cache_write": per_repeat["same_pass/thread:check_share"],
+        "integrity_share_overlapped_wall": per_repeat["overlapped/wall:integrity_share"],
+        "integrity_floor_share": per_repeat["floor_share"],
+        "integrity_shares_per_repeat": per_repeat,
+        "load_average_1m": engine["load_average_1m"],
         "integrity_shares": engine["shares"],
         "engine_stage_min_s": engine["min_s"],
         "separate_pass_verify_s": got.verify_s,
         "separate_pass_share": got.verify_s / (publish_s + got.fetch_s + got.verify_s),
     }
+
+
+def transfer_only(num_chunks: int, repeats: int) -> int:
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        result = {"chunk_transfer": chunk_transfer(num_chunks, repeats)}
+    finally:
+        ray.shutdown()
+    print(json.dumps({k: v for k, v in result["chunk_transfer"].items() if "shares" not in k}))
+    print("->", write_json("serve_chunk_transfer", result))
+    return 0
 
 
 def kv_capacity_tokens(mode: str) -> int:
@@ -226,7 +250,10 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--model")
     p.add_argument("--quick", action="store_true", help="fewer requests and trials")
+    p.add_argument("--transfer-only", action="store_true", help="the chunk transfer alone")
     a = p.parse_args()
+    if a.transfer_only:
+        return transfer_only(*((4, 3) if a.quick else (8, 9)))
     import ray
 
     from app.config import ModelConfig
