@@ -25,16 +25,28 @@ whole process's CPU time (all threads: the hashing work wherever it runs). Publi
 fetch cross processes and are wall time. The check as a pass of its own (as fetch_verified
 did once) is measured too (verify / (publish + fetch + verify)).
 
+Beside those differences of totals: the same pass's xxh3 calls timed one by one on the
+copying thread (hash_calls_*: what the tag adds there, without the subtraction's noise);
+``hot_hash``, every payload byte hashed by a second call right after a first, i.e. at the
+cache-hot rate (the floor: both ends hash every byte once); and ``rates``, GB/s of xxh3 and
+of a torch copy on 256 KiB - 4 MiB buffers. Every share is computed within each repeat and
+reported as median, quartiles and range (``shares_per_repeat``), of three denominators:
+encode + publish + fetch + import (integrity_share), the same without the import's cache
+write (check_share: publish + fetch + verify, the producer's encode included), and the
+reader's check alone of publish + fetch + check (reader_share).
+
     python bench/kv_transfer.py [--chunks 8] [--repeats 7]
 
-Writes bench/results/kv_transfer.json. Shares from the per-stage minimum over repeats
-(medians too); every repeat publishes and fetches afresh.
+Writes bench/results/kv_transfer.json (also shares from the per-stage minimum over repeats
+and from per-stage medians, as earlier runs reported); every repeat publishes and fetches
+afresh. Run it under ``flock /tmp/slimserve-bench.lock``: the box is shared.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import os
 import statistics
@@ -120,6 +132,35 @@ def import_into(cache, fmt, chunks, mode: str | None, tagger) -> dict[str, float
     return _timed(lambda: kv_transfer.write_import(cache, fmt, chunks, hold, pool))
 
 
+class _TimedHasher:
+    """An xxh3 hasher that adds the wall time of its ``update`` calls to ``spent[0]``: in
+    the same pass, exactly the time the tag takes on the copying thread."""
+
+    def __init__(self, hasher, spent: list[float]):
+        self._hasher, self._spent = hasher, spent
+
+    def update(self, piece) -> None:
+        t = time.perf_counter()
+        self._hasher.update(piece)
+        self._spent[0] += time.perf_counter() - t
+
+    def intdigest(self) -> int:
+        return self._hasher.intdigest()
+
+
+@contextlib.contextmanager
+def hash_calls_timed():
+    """Every chunk tag hasher made inside (the encode's and the import's) is timed."""
+    from app.kv import chunk as codec
+
+    spent, real = [0.0], codec.tag_hasher
+    codec.tag_hasher = lambda meta, n: _TimedHasher(real(meta, n), spent)
+    try:
+        yield spent
+    finally:
+        codec.tag_hasher = real
+
+
 def one_repeat(client, fmt, chunk_parts, new_cache, prompt, tagger) -> dict:
     from app.kvstore.transfer import fetch_verified, publish
 
@@ -142,10 +183,15 @@ def one_repeat(client, fmt, chunk_parts, new_cache, prompt, tagger) -> dict:
     import_into(cache, fmt, got.chunks, None, tagger)  # first touch
     for mode in (None, *MODES, *MODES[::-1], None):
         warm[mode].append(import_into(cache, fmt, got.chunks, mode, tagger))
+    with hash_calls_timed() as encode_hashing:
+        encode(chunk_parts, "same_pass", tagger)
+    with hash_calls_timed() as import_hashing:
+        import_into(cache, fmt, got.chunks, "same_pass", tagger)
     serial = _timed(lambda: [c.verify_tag() for c in got.chunks])
     hot = hot_hash(got.chunks)
     asyncio.run(drop_all(client, stored))
     out = {"publish_s": publish_s, "fetch_s": fetch_s, "hot_hash_wall_s": hot}
+    out["hash_calls_encode_s"], out["hash_calls_import_s"] = encode_hashing[0], import_hashing[0]
     for clock in CLOCKS:
         out[f"encode_untagged_{clock}_s"] = min(r[clock] for r in enc[None])
         out[f"import_unchecked_{clock}_s"] = min(r[clock] for r in warm[None])
@@ -242,6 +288,12 @@ def all_shares(t: dict) -> dict:
     # pass's transfer: what no same-pass tag can go under on this machine.
     transfer = shares(t, "same_pass", "thread")["transfer_s"]
     out["floor_share"] = 2 * t["hot_hash_wall_s"] / transfer
+    # The same pass's hashing timed call by call on the copying thread (not a difference of
+    # two noisy totals), of the same denominators.
+    hashing = t["hash_calls_encode_s"] + t["hash_calls_import_s"]
+    moved = transfer - t["import_cold_same_pass_thread_s"]
+    out["same_pass_hash_calls_share"] = hashing / transfer
+    out["same_pass_hash_calls_check_share"] = hashing / (moved + t["hash_calls_import_s"])
     return out
 
 
@@ -258,7 +310,7 @@ def spread(runs: list[dict]) -> dict:
         )
         for name in names:
             vals = sorted(s[key][name] if name else s[key] for s in per_run)
-            q = statistics.quantiles(vals, n=4) if len(vals) > 1 else vals * 3
+            q = statistics.quantiles(vals, n=4, method="inclusive") if len(vals) > 1 else vals * 3
             label = f"{key}:{name}" if name else key
             out[label] = {
                 "median": statistics.median(vals),

@@ -191,6 +191,7 @@ def chunk_transfer(num_chunks: int, repeats: int) -> dict:
         # The headline: within each repeat, then median and spread (same pass, its thread)
         "integrity_share": per_repeat["same_pass/thread:integrity_share"],
         "integrity_share_without_cache_write": per_repeat["same_pass/thread:check_share"],
+        "integrity_share_hash_calls": per_repeat["same_pass_hash_calls_share"],
         "integrity_share_overlapped_wall": per_repeat["overlapped/wall:integrity_share"],
         "integrity_floor_share": per_repeat["floor_share"],
         "integrity_shares_per_repeat": per_repeat,
