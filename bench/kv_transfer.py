@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import os
 import statistics
@@ -57,6 +56,7 @@ from concurrent.futures import ThreadPoolExecutor
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import write_json  # noqa: E402
+from bench.kv_tag_probes import hash_calls_timed, hot_hash, rates  # noqa: E402
 
 L, HKV, D, TOKENS, BLOCK = 32, 8, 128, 256, 16
 CLOCKS = {"thread": time.thread_time, "wall": time.perf_counter, "process": time.process_time}
@@ -132,35 +132,6 @@ def import_into(cache, fmt, chunks, mode: str | None, tagger) -> dict[str, float
     return _timed(lambda: kv_transfer.write_import(cache, fmt, chunks, hold, pool))
 
 
-class _TimedHasher:
-    """An xxh3 hasher that adds the wall time of its ``update`` calls to ``spent[0]``: in
-    the same pass, exactly the time the tag takes on the copying thread."""
-
-    def __init__(self, hasher, spent: list[float]):
-        self._hasher, self._spent = hasher, spent
-
-    def update(self, piece) -> None:
-        t = time.perf_counter()
-        self._hasher.update(piece)
-        self._spent[0] += time.perf_counter() - t
-
-    def intdigest(self) -> int:
-        return self._hasher.intdigest()
-
-
-@contextlib.contextmanager
-def hash_calls_timed():
-    """Every chunk tag hasher made inside (the encode's and the import's) is timed."""
-    from app.kv import chunk as codec
-
-    spent, real = [0.0], codec.tag_hasher
-    codec.tag_hasher = lambda meta, n: _TimedHasher(real(meta, n), spent)
-    try:
-        yield spent
-    finally:
-        codec.tag_hasher = real
-
-
 def one_repeat(client, fmt, chunk_parts, new_cache, prompt, tagger) -> dict:
     from app.kvstore.transfer import fetch_verified, publish
 
@@ -201,55 +172,6 @@ def one_repeat(client, fmt, chunk_parts, new_cache, prompt, tagger) -> dict:
             out[f"import_cold_{m}_{clock}_s"] = cold[m][clock]
             out[f"import_{m}_{clock}_s"] = min(r[clock] for r in warm[m])
     return out
-
-
-def hot_hash(chunks) -> float:
-    """One side's hashing at its fastest (wall seconds): xxh3 ``update`` over every payload
-    byte in the pieces the import feeds (a layer's K and V), each piece hashed once untimed
-    to bring it into cache, then timed. No same-pass tag can cost less than this per side."""
-    total = 0.0
-    for chunk in chunks:
-        kv, _ = chunk.to_tensors()
-        per_layer = kv[0].numel() * kv.element_size()
-        for off in range(0, chunk.nbytes, per_layer):
-            piece, hasher = chunk.payload[off : off + per_layer], chunk.tag_hasher()
-            hasher.update(piece)
-            t = time.perf_counter()
-            hasher.update(piece)
-            total += time.perf_counter() - t
-    return total
-
-
-def rates(repeats: int = 5) -> dict[str, float]:
-    """GB/s of the venv's xxh3_64 (one-shot and streaming ``update``) and of a torch copy on
-    256 KiB - 4 MiB buffers: "hot" re-reads one buffer (cache-resident up to L2's size),
-    "cold" walks 256 MiB so every read comes from memory. Best of ``repeats``."""
-    import torch
-
-    pool = torch.randint(0, 255, (256 << 20,), dtype=torch.uint8)
-    dst = torch.empty_like(pool)
-    out = {}
-    for size in (256 << 10, 1 << 20, 4 << 20):
-        n = (512 << 20) // size  # bytes moved per timing: 512 MiB
-        for where, step in (("hot", 0), ("cold", size)):
-            offs = [(i * step) % (pool.numel() - size + 1) for i in range(n)]
-            for kind, fn in _rate_fns(pool, dst, offs, size).items():
-                best = min(_timed(fn)["wall"] for _ in range(repeats))
-                out[f"{kind}_{where}_{size >> 10}KiB_gb_s"] = n * size / best / 1e9
-    return out
-
-
-def _rate_fns(pool, dst, offs: list[int], size: int) -> dict:
-    import xxhash
-
-    views = [memoryview(pool[o : o + size].numpy()) for o in offs]
-    hasher = xxhash.xxh3_64()  # one streaming state fed every piece, as a chunk's tag is
-    pairs = [(dst[o : o + size], pool[o : o + size]) for o in offs]
-    return {
-        "xxh3_oneshot": lambda: [xxhash.xxh3_64_intdigest(v) for v in views],
-        "xxh3_update": lambda: [hasher.update(v) for v in views],
-        "torch_copy": lambda: [d.copy_(s) for d, s in pairs],
-    }
 
 
 async def drop_all(client, stored) -> None:
