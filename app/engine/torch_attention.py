@@ -12,6 +12,11 @@ kv_write + paged_decode_attention. A step with a few new tokens per sequence (a 
 verify step: 1 + k rows each) takes the same path with each sequence's queries padded to
 the longest and a causal mask per query row: one batched attention instead of the
 reference's loop over sequences (same results as kv_write + paged_prefill_attention).
+
+When the C++ kernel builds (`slimserve_kernels/cpu_paged.py`; off with
+SLIMSERVE_CPU_KERNELS=0), `decode_layer` attends with it instead: it reads the paged cache in
+place through the block table, so no gather copy, dequantization pass or mask per layer,
+and the step's context holds only the kernel's int32 inputs.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from slimserve_kernels import cpu_paged
 from slimserve_kernels.fp8_cpu import fp8_values
 from slimserve_kernels.reference import is_fp8, kv_write, paged_prefill_attention
 
@@ -77,11 +83,21 @@ MAX_BATCHED_QUERY = 17
 
 
 @dataclass(slots=True)
+class KernelInputs:
+    """The C++ kernel's view of a step: it reads the cache through these, per layer."""
+
+    block_tables: torch.Tensor  # [B, max_blocks] int32, contiguous
+    seq_lens: torch.Tensor  # [B] int32
+    query_start_loc: torch.Tensor | None  # [B + 1] int32; None: one row per sequence
+
+
+@dataclass(slots=True)
 class DecodeContext:
     """What every layer of one decode or short-extend step shares."""
 
-    rows: torch.Tensor  # [B * max_blocks] int64: the block tables, flattened
-    mask: torch.Tensor  # [B, 1, Q, max_blocks * block_size] float32: -inf past each position
+    rows: torch.Tensor | None  # [B * max_blocks] int64: the block tables, flattened
+    mask: torch.Tensor | None  # [B, 1, Q, max_blocks * block_size] float32: -inf past each
+    # position (rows and mask are None when the C++ kernel attends: `kernel` is set)
     slots: torch.Tensor  # [T'] int64: the slots written (the >= 0 ones)
     kept: torch.Tensor | None  # [T'] int64: rows of k/v written; None = all of them
     # Q > 1 (e.g. a verify step: 1 + k rows per sequence): row t of q is padded row
@@ -89,6 +105,7 @@ class DecodeContext:
     query_rows: torch.Tensor | None = None
     q_len: int = 1  # Q, the longest query of the step
     group_mask: torch.Tensor | None = None  # mask per GQA group, built at the first layer
+    kernel: KernelInputs | None = None  # set: the C++ kernel attends (rows, mask unused)
 
 
 def prepare_decode(
@@ -97,6 +114,10 @@ def prepare_decode(
     """query_start_loc None: a decode (one new token per sequence). Else [B + 1] rows of a
     step with several new tokens per sequence; None back if one is longer than
     MAX_BATCHED_QUERY (the caller then uses the per-sequence reference)."""
+    if query_start_loc is not None and _longest_query(query_start_loc) > MAX_BATCHED_QUERY:
+        return None
+    if block_tables.device.type == "cpu" and cpu_paged.available():
+        return _kernel_context(block_tables, seq_lens, slot_mapping, query_start_loc)
     b, width = block_tables.shape[0], block_tables.shape[1] * block_size
     if query_start_loc is None:  # a decode: keys at or past the length are masked (the
         # general form below gives the same mask in ~10 more ops per step)
@@ -106,8 +127,6 @@ def prepare_decode(
     starts = query_start_loc.long()
     n_new = starts[1:] - starts[:-1]  # [B]
     q_len = int(n_new.max())
-    if q_len > MAX_BATCHED_QUERY:
-        return None
     seq_of_row = torch.repeat_interleave(torch.arange(b, device=lens.device), n_new)  # [T]
     j = torch.arange(seq_of_row.shape[0], device=lens.device) - starts[seq_of_row]
     query_rows = seq_of_row * q_len + j
@@ -121,16 +140,34 @@ def prepare_decode(
     return _context(block_tables, pad, slot_mapping, query_rows, q_len)
 
 
+def _longest_query(query_start_loc) -> int:
+    return int((query_start_loc[1:] - query_start_loc[:-1]).max())
+
+
+def _kernel_context(block_tables, seq_lens, slot_mapping, query_start_loc) -> DecodeContext:
+    """The step's context for the C++ kernel: its int32 inputs and the write slots."""
+    as_i32 = lambda t: t if t.dtype == torch.int32 and t.is_contiguous() else t.int().contiguous()  # noqa: E731
+    qsl = None if query_start_loc is None else as_i32(query_start_loc)
+    inputs = KernelInputs(as_i32(block_tables), as_i32(seq_lens), qsl)
+    slots, kept = _written(slot_mapping)
+    return DecodeContext(None, None, slots, kept, kernel=inputs)
+
+
+def _written(slot_mapping) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the slots written, the rows of k/v they take; None = all rows)."""
+    if bool((slot_mapping < 0).any()):  # padding rows (kv_write's "skip" slots)
+        kept = (slot_mapping >= 0).nonzero()[:, 0]
+        return slot_mapping[kept], kept
+    return slot_mapping, None
+
+
 def _context(block_tables, pad, slot_mapping, query_rows, q_len: int) -> DecodeContext:
     """pad: [B, Q, S] bool, True = masked -> the step's DecodeContext."""
     mask = torch.zeros(pad.shape, dtype=torch.float32, device=pad.device)
     mask.masked_fill_(pad, float("-inf"))
-    kept = None
-    if bool((slot_mapping < 0).any()):  # padding rows (kv_write's "skip" slots)
-        kept = (slot_mapping >= 0).nonzero()[:, 0]
-        slot_mapping = slot_mapping[kept]
+    slots, kept = _written(slot_mapping)
     rows = block_tables.flatten().long()
-    return DecodeContext(rows, mask.unsqueeze(1), slot_mapping, kept, query_rows, q_len)
+    return DecodeContext(rows, mask.unsqueeze(1), slots, kept, query_rows, q_len)
 
 
 def decode_layer(ctx: DecodeContext, q, k, v, k_cache, v_cache, k_scale, v_scale, sm_scale):
@@ -143,6 +180,13 @@ def decode_layer(ctx: DecodeContext, q, k, v, k_cache, v_cache, k_scale, v_scale
     else:
         k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, ctx.slots, _as(k, k_cache.dtype))
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, ctx.slots, _as(v, v_cache.dtype))
+    if ctx.kernel is not None:
+        kin = ctx.kernel
+        out = cpu_paged.paged_attention_cpu(
+            _as(q, torch.float32), k_cache, v_cache, k_scale, v_scale,
+            kin.block_tables, kin.seq_lens, kin.query_start_loc, sm_scale,
+        )  # fmt: skip
+        return _as(out, q.dtype)
     b, (hq, d) = ctx.mask.shape[0], q.shape[1:]
     keys = _gather_rows(k_cache, k_scale, ctx.rows, b, torch.float32).transpose(1, 2)
     values = _gather_rows(v_cache, v_scale, ctx.rows, b, torch.float32).transpose(1, 2)

@@ -1,10 +1,31 @@
-"""The vectorized CPU decode attention equals the reference, FP8 and full precision."""
+"""The vectorized CPU decode attention equals the reference, FP8 and full precision.
+
+The per-step path (prepare_decode + decode_layer) runs twice: with the C++ kernel (where it
+builds) and with SLIMSERVE_CPU_KERNELS=0, the PyTorch gather + SDPA path it falls back to."""
+
+import logging
 
 import pytest
 import torch
 
 from app.engine import torch_attention
-from slimserve_kernels import reference
+from slimserve_kernels import cpu_paged, reference
+
+
+@pytest.fixture(params=["kernel", "torch"])
+def step_path(request, monkeypatch):
+    """Which attention decode_layer runs: the C++ kernel or the PyTorch fallback."""
+    if request.param == "torch":
+        monkeypatch.setenv(cpu_paged.ENV, "0")
+    elif not cpu_paged.available():
+        pytest.skip("the C++ CPU kernel did not build here")
+    return request.param
+
+
+@pytest.fixture
+def torch_path(monkeypatch):
+    """The PyTorch path (its mask and gather rows are what these tests check)."""
+    monkeypatch.setenv(cpu_paged.ENV, "0")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])
@@ -46,7 +67,7 @@ def twin_caches(dtype, nb: int, bs: int, k: torch.Tensor, v: torch.Tensor) -> li
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])
-def test_decode_layer_matches_write_then_attend(dtype):
+def test_decode_layer_matches_write_then_attend(dtype, step_path):
     """The per-step context path (prepare_decode once, decode_layer per layer) writes the
     same cache and returns the same output as the reference kv_write + decode attention; a
     slot < 0 (a padding row) writes nothing.
@@ -62,6 +83,7 @@ def test_decode_layer_matches_write_then_attend(dtype):
     reference.kv_write(k, v, *caches[0], slots)
     want = reference.paged_decode_attention(q, *caches[0], tables, lens, d**-0.5)
     ctx = torch_attention.prepare_decode(tables, lens, slots, bs)
+    assert (ctx.kernel is not None) == (step_path == "kernel")
     got = torch_attention.decode_layer(ctx, q, k, v, *caches[1], d**-0.5)
     for a, b in zip(caches[0], caches[1]):
         if a is not None:
@@ -70,7 +92,7 @@ def test_decode_layer_matches_write_then_attend(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])
-def test_short_extend_matches_reference_prefill(dtype):
+def test_short_extend_matches_reference_prefill(dtype, step_path):
     """A step with several new tokens per sequence (a speculative verify step: 1 + k rows,
     k differing per sequence; a short chunk) through the batched path writes the same cache
     and returns what the reference's kv_write + per-sequence causal prefill returns.
@@ -95,6 +117,7 @@ def test_short_extend_matches_reference_prefill(dtype):
     reference.kv_write(k, v, *caches[0], slots)
     want = reference.paged_prefill_attention(q, *caches[0], tables, starts, lens, d**-0.5)
     ctx = torch_attention.prepare_decode(tables, lens, slots, bs, starts)
+    assert (ctx.kernel is not None) == (step_path == "kernel")
     got = torch_attention.decode_layer(ctx, q, k, v, *caches[1], d**-0.5)
     for a, b in zip(caches[0], caches[1]):
         if a is not None:
@@ -102,7 +125,7 @@ def test_short_extend_matches_reference_prefill(dtype):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-def test_long_extend_declines_batched_path():
+def test_long_extend_declines_batched_path(step_path):
     """A query longer than MAX_BATCHED_QUERY (a prefill) is left to the reference, which
     does not pad every sequence of the step to it."""
     n = torch_attention.MAX_BATCHED_QUERY + 1
@@ -115,7 +138,7 @@ def test_long_extend_declines_batched_path():
     assert torch_attention.prepare_decode(tables, lens - 1, slots[:-1], 4, starts) is not None
 
 
-def test_decode_mask_equals_the_general_one_row_per_sequence_form():
+def test_decode_mask_equals_the_general_one_row_per_sequence_form(torch_path):
     """prepare_decode's decode shortcut (no query_start_loc) builds the mask the general
     path builds for one new token per sequence. Seen failing with `>` for `>=` (each
     sequence's last key masked)."""
@@ -127,3 +150,23 @@ def test_decode_mask_equals_the_general_one_row_per_sequence_form():
     general = torch_attention.prepare_decode(tables, lens, slots, 4, starts)
     assert torch.equal(short.mask, general.mask) and short.mask.shape == (3, 1, 1, 16)
     assert torch.equal(short.rows, general.rows) and torch.equal(short.slots, general.slots)
+
+
+def test_failed_build_falls_back(monkeypatch, caplog):
+    """No compiler (the build raises): available() is False with one warning, and the
+    engine's per-step path takes the PyTorch attention."""
+
+    def no_compiler():
+        raise RuntimeError("no c++ compiler")
+
+    monkeypatch.setattr(cpu_paged, "_build", no_compiler)
+    cpu_paged.load.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger=cpu_paged.__name__):
+            assert not cpu_paged.available() and not cpu_paged.available()
+        assert sum("build failed" in r.message for r in caplog.records) == 1
+        tables = torch.tensor([[0, 1]], dtype=torch.int32)
+        ctx = torch_attention.prepare_decode(tables, torch.tensor([5]), torch.tensor([4]), 4)
+        assert ctx.kernel is None and ctx.mask is not None
+    finally:
+        cpu_paged.load.cache_clear()  # the next test builds (loads from the cache) again

@@ -1,0 +1,149 @@
+"""The C++ CPU paged attention (slimserve_kernels/cpu_paged.py) against the PyTorch reference.
+
+Tolerance: both accumulate in fp32 but in different orders (the kernel's online softmax,
+blocked dot products); outputs are O(1), so 1e-5 relative and absolute. FP8 decoding is
+checked exactly: a sequence of one key returns that key's V row, i.e. every e4m3 code's
+value (NaN codes included) times 2**exponent, bit for bit.
+"""
+
+import pytest
+import torch
+
+from slimserve_kernels import cpu_paged, reference
+from slimserve_kernels.fp8_cpu import fp8_values
+
+FP8 = torch.float8_e4m3fn
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel():
+    if not cpu_paged.available():
+        pytest.skip("the C++ CPU kernel did not build here (tests/engine tests the fallback)")
+
+
+def paged_cache(dtype, lens, bs: int, hkv: int, d: int, seed: int):
+    """A cache holding sequences of `lens` tokens in shuffled blocks, tables padded with -1;
+    K rows carry per-token magnitudes 2**-4..2**4 so FP8 exponents differ per token.
+    -> (k_cache, v_cache, k_scale, v_scale, block_tables [B, maxb] int32)."""
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-n // bs) for n in lens]
+    nb = sum(need) + 3  # spare blocks that no table names
+    k = torch.randn(nb * bs, hkv, d, generator=g)
+    k *= torch.exp2(torch.randint(-4, 5, (nb * bs, hkv, 1), generator=g).float())
+    v = torch.randn(nb * bs, hkv, d, generator=g)
+    kc = torch.zeros(nb, bs, hkv, d, dtype=dtype)
+    vc = torch.zeros_like(kc)
+    scales = [torch.zeros(nb, bs, hkv, dtype=torch.int8) if dtype == FP8 else None for _ in "kv"]
+    reference.kv_write(k, v, kc, vc, *scales, torch.arange(nb * bs))
+    order = torch.randperm(nb, generator=g).int()
+    tables = torch.full((len(lens), max(need) + 1), -1, dtype=torch.int32)
+    at = 0
+    for i, n in enumerate(need):
+        tables[i, :n] = order[at : at + n]
+        at += n
+    return kc, vc, *scales, tables
+
+
+DTYPES = [torch.float32, FP8, torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("d", [64, 128])
+def test_decode_matches_reference(dtype, group, d):
+    """Lengths 1, bs - 1, bs + 1 and long (odd) in one batch, shuffled tables."""
+    bs, hkv = 16, 2
+    lens = [1, bs - 1, bs + 1, 301, 2 * bs]
+    cache = paged_cache(dtype, lens, bs, hkv, d, seed=group * d)
+    lens = torch.tensor(lens, dtype=torch.int32)
+    q = torch.randn(len(lens), hkv * group, d, generator=torch.Generator().manual_seed(d))
+    args = (q, *cache)
+    # sm_scale keeps scores below ~10: fp32 rounding of a score x is ~x * 6e-8 in both, and
+    # exp() turns that into a relative error of the probabilities
+    want = reference.paged_decode_attention(*args, lens, 0.05)
+    got = cpu_paged.paged_attention_cpu(*args, lens, None, 0.05)
+    torch.testing.assert_close(got, want, **TOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, FP8])
+@pytest.mark.parametrize("block_size", [5, 16])
+def test_extend_matches_reference_prefill(dtype, block_size):
+    """Several causal query rows per sequence (a verify step, a short chunk): 3, 1, 5 and 17
+    new tokens, one sequence all new (its first tokens)."""
+    hkv, group, d = 2, 3, 64
+    lens = [40, 7, 5, 90]
+    n_new = [3, 1, 5, 17]
+    cache = paged_cache(dtype, lens, block_size, hkv, d, seed=block_size)
+    starts = torch.tensor([0, *torch.tensor(n_new).cumsum(0).tolist()], dtype=torch.int32)
+    lens = torch.tensor(lens, dtype=torch.int32)
+    q = torch.randn(sum(n_new), hkv * group, d, generator=torch.Generator().manual_seed(1))
+    want = reference.paged_prefill_attention(q, *cache, starts, lens, 0.05)
+    got = cpu_paged.paged_attention_cpu(q, *cache, lens, starts, 0.05)
+    torch.testing.assert_close(got, want, **TOL)
+
+
+def test_fp8_decode_is_exact_for_every_code():
+    """One key per sequence: the output is its V row, so every e4m3 code (NaN codes 0x7f and
+    0xff included) times 2**e must come back as fp8_values(code) * 2**e, bit for bit."""
+    d, bs, exps = 64, 4, [-100, -7, 0, 3, 100]
+    codes = torch.arange(256, dtype=torch.uint8).view(-1, d)  # [4, 64]: 4 rows of codes
+    n = codes.shape[0] * len(exps)  # one sequence per (row of codes, exponent)
+    vc = torch.zeros(n, bs, 1, d, dtype=torch.uint8)
+    vc[:, 0, 0] = codes.repeat(len(exps), 1)
+    vs = torch.zeros(n, bs, 1, dtype=torch.int8)
+    vs[:, 0, 0] = torch.tensor(exps, dtype=torch.int8).repeat_interleave(codes.shape[0])
+    vc = vc.view(FP8)
+    kc, ks = torch.zeros_like(vc), torch.zeros_like(vs)
+    tables = torch.arange(n, dtype=torch.int32).view(n, 1)
+    lens = torch.ones(n, dtype=torch.int32)
+    got = cpu_paged.paged_attention_cpu(
+        torch.randn(n, 1, d), kc, vc, ks, vs, tables, lens, None, 1.0
+    )
+    want = fp8_values(vc[:, 0], torch.float32) * torch.exp2(vs[:, 0].float()).unsqueeze(-1)
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    assert got.isnan().sum() == 2 * len(exps)
+
+
+def test_threads_give_the_same_bits():
+    """Each (sequence, KV head) is one task, so the thread count cannot change the result."""
+    cache = paged_cache(FP8, [33, 1, 200, 64], 16, 4, 64, seed=3)
+    lens = torch.tensor([33, 1, 200, 64], dtype=torch.int32)
+    q = torch.randn(4, 8, 64)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_paged.paged_attention_cpu(q, *cache, lens, None, 0.125)
+        torch.set_num_threads(2)
+        two = cpu_paged.paged_attention_cpu(q, *cache, lens, None, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+def test_strided_query_and_cache_views():
+    """q a view of a wider [T, Hq + 2, D] tensor and the cache one layer of an engine-style
+    [L, 2, ...] allocation (not contiguous past D)."""
+    torch.manual_seed(0)
+    bs, hkv, d = 8, 2, 64
+    kv = torch.randn(2, 2, 6, bs, hkv, d)
+    kc, vc = kv[1, 0], kv[1, 1]
+    tables = torch.tensor([[4, 1, 0], [2, 5, 3]], dtype=torch.int32)
+    lens = torch.tensor([17, 24], dtype=torch.int32)
+    q = torch.randn(2, 6, d)[:, 1:5]
+    want = reference.paged_decode_attention(q, kc, vc, None, None, tables, lens, 0.2)
+    got = cpu_paged.paged_attention_cpu(q, kc, vc, None, None, tables, lens, None, 0.2)
+    torch.testing.assert_close(got, want, **TOL)
+
+
+def test_bad_inputs_raise():
+    kc = torch.zeros(2, 4, 1, 16, dtype=FP8)
+    tables = torch.zeros(1, 1, dtype=torch.int32)
+    lens = torch.ones(1, dtype=torch.int32)
+    q = torch.zeros(1, 2, 16)
+    with pytest.raises(RuntimeError, match="int8 scales"):
+        cpu_paged.load().paged_attention(q, kc, kc, None, None, tables, lens, None, 1.0)
+    with pytest.raises(RuntimeError, match="int32"):
+        cpu_paged.paged_attention_cpu(
+            q, kc.float(), kc.float(), None, None, tables.long(), lens, None, 1.0
+        )
