@@ -1,4 +1,5 @@
-"""The C++ CPU paged attention (`csrc/paged_attention_cpu.cpp`), built just in time.
+"""The C++ CPU paged attention and KV write (`csrc/paged_attention_cpu.cpp`), built just in
+time.
 
 `paged_attention_cpu` reads the paged KV cache in place through the block table: no gather
 copy of every sequence's blocks per layer, FP8 codes decoded in the kernel. It is built once
@@ -95,3 +96,17 @@ def paged_attention_cpu(
         q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens,
         query_start_loc, sm_scale,
     )  # fmt: skip
+
+
+def kv_write_cpu(
+    k: torch.Tensor,  # [T, Hkv, D] float32
+    v: torch.Tensor,
+    k_cache: torch.Tensor,  # float32 or float8_e4m3fn [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor | None,  # [num_blocks, block_size, Hkv] int8 (FP8 cache only)
+    v_scale: torch.Tensor | None,
+    slot_mapping: torch.Tensor,  # [T] int64, contiguous; < 0 = skip
+) -> None:
+    """reference.kv_write, bit for bit, in one call (FP8: ~20 torch ops per layer before).
+    Call only when `available()`."""
+    load().kv_write(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping)

@@ -89,6 +89,7 @@ class KernelInputs:
     block_tables: torch.Tensor  # [B, max_blocks] int32, contiguous
     seq_lens: torch.Tensor  # [B] int32
     query_start_loc: torch.Tensor | None  # [B + 1] int32; None: one row per sequence
+    slot_mapping: torch.Tensor  # [T] int64, contiguous, < 0 = skip (the C++ kv_write's)
 
 
 @dataclass(slots=True)
@@ -148,7 +149,8 @@ def _kernel_context(block_tables, seq_lens, slot_mapping, query_start_loc) -> De
     """The step's context for the C++ kernel: its int32 inputs and the write slots."""
     as_i32 = lambda t: t if t.dtype == torch.int32 and t.is_contiguous() else t.int().contiguous()  # noqa: E731
     qsl = None if query_start_loc is None else as_i32(query_start_loc)
-    inputs = KernelInputs(as_i32(block_tables), as_i32(seq_lens), qsl)
+    all_slots = slot_mapping.long().contiguous()
+    inputs = KernelInputs(as_i32(block_tables), as_i32(seq_lens), qsl, all_slots)
     slots, kept = _written(slot_mapping)
     return DecodeContext(None, None, slots, kept, kernel=inputs)
 
@@ -173,15 +175,14 @@ def _context(block_tables, pad, slot_mapping, query_rows, q_len: int) -> DecodeC
 def decode_layer(ctx: DecodeContext, q, k, v, k_cache, v_cache, k_scale, v_scale, sm_scale):
     """kv_write of the new k/v [T, Hkv, D], then attention of q [T, Hq, D] over each
     sequence's cache (causal within the step's new tokens) -> [T, Hq, D]."""
-    if ctx.kept is not None:
-        k, v = k.index_select(0, ctx.kept), v.index_select(0, ctx.kept)
-    if is_fp8(k_cache):
-        kv_write(k, v, k_cache, v_cache, k_scale, v_scale, ctx.slots)
+    kin = ctx.kernel
+    if kin is not None and k_cache.dtype in _KERNEL_WRITES:
+        f32 = torch.float32
+        args = (k_cache, v_cache, k_scale, v_scale, kin.slot_mapping)
+        cpu_paged.kv_write_cpu(_as(k, f32), _as(v, f32), *args)
     else:
-        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, ctx.slots, _as(k, k_cache.dtype))
-        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, ctx.slots, _as(v, v_cache.dtype))
-    if ctx.kernel is not None:
-        kin = ctx.kernel
+        _write(ctx, k, v, k_cache, v_cache, k_scale, v_scale)
+    if kin is not None:
         out = cpu_paged.paged_attention_cpu(
             _as(q, torch.float32), k_cache, v_cache, k_scale, v_scale,
             kin.block_tables, kin.seq_lens, kin.query_start_loc, sm_scale,
@@ -210,6 +211,21 @@ def decode_layer(ctx: DecodeContext, q, k, v, k_cache, v_cache, k_scale, v_scale
     )  # [B, Hkv, Q * G, D]
     out = out.view(b, hkv, qq, g, d).permute(0, 2, 1, 3, 4).reshape(b * qq, hq, d)
     return _as(out.index_select(0, ctx.query_rows), dtype)
+
+
+# Cache dtypes the C++ kv_write takes (16-bit caches keep index_copy_).
+_KERNEL_WRITES = (torch.float32, torch.float8_e4m3fn)
+
+
+def _write(ctx: DecodeContext, k, v, k_cache, v_cache, k_scale, v_scale) -> None:
+    """kv_write of the step's new rows (the >= 0 slots) with torch ops."""
+    if ctx.kept is not None:
+        k, v = k.index_select(0, ctx.kept), v.index_select(0, ctx.kept)
+    if is_fp8(k_cache):
+        kv_write(k, v, k_cache, v_cache, k_scale, v_scale, ctx.slots)
+    else:
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, ctx.slots, _as(k, k_cache.dtype))
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, ctx.slots, _as(v, v_cache.dtype))
 
 
 def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -16,6 +16,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
 
 #include <algorithm>
@@ -310,7 +311,80 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
   return out;
 }
 
+namespace {
+
+// reference.fp8_scale_exponent for one row: e = ceil(log2(amax / 448)) from amax = m * 2**E
+// (m in [0.5, 1), 448 = 0.875 * 2**9), amax floored at 2**-100, e clamped to [-100, 127].
+int8_t fp8_exponent(const float* x, int64_t d) {
+  float amax = 0.0f;
+  for (int64_t i = 0; i < d; ++i) amax = std::max(amax, std::fabs(x[i]));
+  int big_e;
+  const float m = std::frexp(std::max(amax, 0x1p-100f), &big_e);
+  return static_cast<int8_t>(std::clamp(big_e - 9 + (m > 0.875f ? 1 : 0), -100, 127));
+}
+
+// reference.quantize_fp8 of one row into the cache: x * 2**-e clamped to +-448, cast with
+// c10's own float -> e4m3fn rounding (what the reference's .to() does).
+void quantize_row(const float* x, int64_t d, uint8_t* dst, int8_t* e_dst) {
+  const int8_t e = fp8_exponent(x, d);
+  const float inv = std::ldexp(1.0f, -e);
+  for (int64_t i = 0; i < d; ++i) {
+    const float y = std::clamp(x[i] * inv, -448.0f, 448.0f);
+    dst[i] = c10::Float8_e4m3fn(y).x;
+  }
+  *e_dst = e;
+}
+
+}  // namespace
+
+// reference.kv_write for an FP8 or float32 cache, bit for bit: k, v [T, Hkv, D] float32 (D
+// contiguous) into slot slot_mapping[t] (int64; < 0 = skip); FP8 quantized per (token, head)
+// with a power-of-two exponent into k_scale / v_scale.
+void kv_write(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
+              const at::Tensor& v_cache, const c10::optional<at::Tensor>& k_scale,
+              const c10::optional<at::Tensor>& v_scale, const at::Tensor& slot_mapping) {
+  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.scalar_type() == at::kFloat &&
+                  v.scalar_type() == at::kFloat && k.stride(2) == 1 && v.stride(2) == 1,
+              "k, v: float32 [T, Hkv, D], D contiguous");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+                  slot_mapping.numel() == k.size(0), "slot_mapping: int64 [T]");
+  const CacheKind kind = cache_kind(k_cache);
+  TORCH_CHECK(kind == CacheKind::kFloat32 || kind == CacheKind::kFp8,
+              "kv_write: float32 or FP8 caches only");
+  const bool fp8 = kind == CacheKind::kFp8;
+  const Cache kc = view_cache(k_cache, k_scale, fp8), vc = view_cache(v_cache, v_scale, fp8);
+  const int64_t t_n = k.size(0), hkv = k.size(1), d = k.size(2), bs = k_cache.size(1);
+  TORCH_CHECK(k_cache.size(2) == hkv && k_cache.size(3) == d && v_cache.sizes() == k_cache.sizes(),
+              "cache heads / head dim differ from k's");
+  const int64_t slots = k_cache.size(0) * bs;
+  const int64_t* slot = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < t_n; ++t) TORCH_CHECK(slot[t] < slots, "slot ", slot[t], " out of range");
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  at::parallel_for(0, t_n * hkv, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t t = i / hkv, h = i % hkv;
+      if (slot[t] < 0) continue;
+      const int64_t block = slot[t] / bs, off = slot[t] % bs;
+      const float* rows[2] = {kp + t * k.stride(0) + h * k.stride(1),
+                              vp + t * v.stride(0) + h * v.stride(1)};
+      const Cache* caches[2] = {&kc, &vc};
+      for (int j = 0; j < 2; ++j) {
+        const Cache& c = *caches[j];
+        const int64_t at = block * c.s_block + off * c.s_tok + h * c.s_head;
+        if (!fp8) {
+          std::memcpy(static_cast<float*>(const_cast<void*>(c.data)) + at, rows[j], d * 4);
+          continue;
+        }
+        int8_t* e = const_cast<int8_t*>(c.scale) + block * c.e_block + off * c.e_tok + h * c.e_head;
+        quantize_row(rows[j], d, static_cast<uint8_t*>(const_cast<void*>(c.data)) + at, e);
+      }
+    }
+  });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("kv_write", &kv_write, "kv_write into a float32 or FP8 paged cache (CPU)");
   m.def("paged_attention", &paged_attention, "paged attention over a paged KV cache (CPU)");
   m.def("isa", &isa_name, "the instruction set the kernel runs with on this CPU");
 }

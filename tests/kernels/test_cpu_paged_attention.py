@@ -147,3 +147,45 @@ def test_bad_inputs_raise():
         cpu_paged.paged_attention_cpu(
             q, kc.float(), kc.float(), None, None, tables.long(), lens, None, 1.0
         )
+
+
+def kv_write_rows(seed: int, t: int, hkv: int, d: int) -> torch.Tensor:
+    """[t, Hkv, D] rows that hit the quantizer's edges: magnitudes 2**-30..2**30, an all-zero
+    row, rows whose amax is exactly 448 * 2**e and one ulp above, and e4m3 rounding ties."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, hkv, d, generator=g)
+    x *= torch.exp2(torch.randint(-30, 31, (t, hkv, 1), generator=g).float())
+    x[0, 0] = 0.0
+    x[1, 0, 0] = 448.0 * 2.0**3
+    x[2, 0, 0] = torch.nextafter(torch.tensor(448.0 * 2.0**-5), torch.tensor(1e9))
+    x[3, 0, :8] = torch.tensor([1.0625, 1.1875, -1.0625, 0.0029296875, 9.0, 11.0, 13.0, 448.0])
+    return x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, FP8])
+def test_kv_write_is_bit_identical_to_reference(dtype):
+    """Cache bytes and exponents equal the reference's; slots < 0 write nothing."""
+    nb, bs, hkv, d, t = 6, 4, 2, 64, 16
+    k, v = kv_write_rows(0, t, hkv, d), kv_write_rows(1, t, hkv, d)
+    slots = torch.randperm(nb * bs)[:t]
+    slots[[5, 11]] = -1
+    caches = []
+    for _ in range(2):
+        kc = torch.zeros(nb, bs, hkv, d, dtype=dtype)
+        scales = [
+            torch.zeros(nb, bs, hkv, dtype=torch.int8) if dtype == FP8 else None for _ in "kv"
+        ]
+        caches.append((kc, torch.zeros_like(kc), *scales))
+    reference.kv_write(k, v, *caches[0], slots)
+    cpu_paged.kv_write_cpu(k, v, *caches[1], slots)
+    for want, got in zip(*caches):
+        if want is not None:
+            assert torch.equal(want.view(torch.uint8), got.view(torch.uint8))
+    assert bool(caches[1][0].float().abs().sum() > 0)
+
+
+def test_kv_write_rejects_a_slot_past_the_cache():
+    kc = torch.zeros(2, 4, 1, 16)
+    k = torch.zeros(1, 1, 16)
+    with pytest.raises(RuntimeError, match="out of range"):
+        cpu_paged.kv_write_cpu(k, k, kc, kc.clone(), None, None, torch.tensor([8]))
