@@ -91,11 +91,13 @@ def start_peer(model: str) -> Server:
     return Server("vllm", cmd, PEER_PORT)
 
 
-def start_ours(model: str | None, mode: str) -> Server:
-    """`make serve` (= `slimserve serve`, defaults) on another port, without gRPC."""
+def start_ours(model: str | None, mode: str, config: str | None = None) -> Server:
+    """`make serve` (= `slimserve serve`, defaults) on another port, without gRPC;
+    config: a deploy/*.yaml instead of the default (A/B of settings)."""
     cmd = [sys.executable, "-m", "app.cli", "serve", "--port", str(OUR_PORT), "--grpc-port", "0"]
     cmd += ["--model", model] if model else []
-    cmd += ["--mode", mode] if mode != "disaggregated" else []
+    cmd += ["--config", config] if config else []
+    cmd += ["--mode", mode]
     env = {"PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     return Server(f"slimserve-{mode}", cmd, OUR_PORT, env)
 
@@ -126,7 +128,7 @@ def run_level(server: Server, trees, c: int, vocab: int, seed: int, args) -> dic
 
 
 def compare_mode(peer: Server | None, mode: str, args, results: dict, seed: int) -> None:
-    ours = start_ours(args.model, mode)
+    ours = start_ours(args.model, mode, args.config)
     try:
         sides = [s for s in (peer, ours) if s is not None]
         trees = [(s.pid, True) for s in sides]
@@ -154,6 +156,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--limit-s", type=float, default=300.0, help="bound on one level's run")
     ap.add_argument("--idle-cores", type=float, default=0.3, help="'idle' for settle()")
     ap.add_argument("--no-peer", action="store_true", help="slimserve only (smoke test)")
+    ap.add_argument("--config", default=None, help="slimserve's deploy/*.yaml (default: built in)")
     ap.add_argument("--out", default=RESULTS)
     args = ap.parse_args(argv)
     from app.config import ModelConfig

@@ -30,6 +30,7 @@ from app.engine.spec.deltas import merge_deltas
 from app.engine.spec.factory import extra_block_bytes, make_speculator, uses_mtp
 from app.engine.spec.sampling import plain_greedy
 from app.engine.step import execute, plan_step
+from app.engine.step_threads import StepThreads
 from app.engine.structured.manager import StructuredOutputs
 from app.engine.tp_driver import DriverRunner, ShardedKVCache, min_over_ranks
 from app.engine.transfers import Transfers
@@ -91,6 +92,7 @@ class Engine:
         self.speculator = make_speculator(self, ops) if spec is not None else None
         self.seqs: dict[str, list[Sequence]] = {}
         self._pending: list[RequestDelta] = []
+        self.step_threads: StepThreads | None = None  # None: torch's thread count as set
 
     def _build_cache_and_runner(self, num_blocks: int, ops) -> None:
         args = (self.model, ops, self.model_config.head_dim, self.device)
@@ -210,6 +212,8 @@ class Engine:
             return deltas
         starts = [seq.num_computed_tokens for seq, _ in out.scheduled]
         plan = plan_step(out.scheduled, self.kv_spec.block_size)
+        if self.step_threads is not None:  # set on the stepping thread (step_threads.py)
+            self.step_threads.apply(len(plan.token_ids))
         result = self.runner.run(plan)
         sampled = [out.scheduled[i][0] for i in result.sampled]
         if sampled:  # [rows, V]: grammar rows (speculated ones too) get -inf outside

@@ -43,7 +43,11 @@ class EngineArgs(_EngineFields):
     """
 
     model: str | None = None  # None: the embedded default model
-    torch_threads: int | None = Field(default=None, gt=0)  # None: torch's default
+    # Torch threads of a large engine step (>= threaded_step_min_tokens new tokens); smaller
+    # steps run on one (app/engine/step_threads.py). None: leave torch's count alone (Ray
+    # sets OMP_NUM_THREADS=1 in a replica that reserves no CPUs: replica_num_cpus=0).
+    torch_threads: int | None = Field(default=None, gt=0)
+    threaded_step_min_tokens: int = Field(default=1, gt=0)
     # Notes: tensor_parallel_size ranks run as Ray actors in the replica's placement group
     # (docs/parallelism.md); with speculative_config only decode (and colocated) replicas
     # speculate, prefill replicas never decode.

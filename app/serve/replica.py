@@ -13,6 +13,7 @@ import torch
 from app.config import EngineConfig
 from app.engine.async_engine import AsyncEngine
 from app.engine.engine import Engine
+from app.engine.step_threads import StepThreads
 from app.kv.chunk import KVChunk
 from app.kvstore.store import KVStoreClient, StoredChunk
 from app.kvstore.transfer import FetchResult, drop_rejected, fetch_verified
@@ -46,11 +47,15 @@ def replica_name() -> str:
 
 class EngineHost:
     def __init__(self, args: ServeArgs, store: KVStoreClient | None, role: str = "colocated"):
-        if args.engine.torch_threads:
-            torch.set_num_threads(args.engine.torch_threads)
+        threads = args.engine.torch_threads
+        if threads:
+            torch.set_num_threads(threads)
         self.args = args
         self.name = replica_name()
         self.engine = self._start_engine(engine_config(args.engine))
+        if threads:
+            min_tokens = args.engine.threaded_step_min_tokens
+            self.engine.step_threads = StepThreads(threads, min_tokens)
         self.async_engine = AsyncEngine(self.engine)
         self.store = store
         spec = self.engine.kv_spec

@@ -31,6 +31,8 @@ def test_local_yaml_args_validate():
         {"engine": {"chunk_tokens": 100, "block_size": 16}},
         {"max_queued_requests": 0},
         {"engine": {"kv_cache_memory_bytes": -1}},
+        {"engine": {"torch_threads": 0}},
+        {"engine": {"threaded_step_min_tokens": 0}},
     ],
 )
 def test_bad_serve_args_are_rejected(bad):
