@@ -14,8 +14,9 @@ from app.engine.request import Request, RequestDelta
 from app.serve.delta_outbox import stream_to
 from app.serve.delta_wire import ReplyTo, StreamSummary
 from app.serve.engine_replica import EngineReplica
-from app.serve.messages import DecodeRequest
+from app.serve.messages import DecodeRequest, PrefillResult
 from app.serve.metrics import RequestTimer
+from app.serve.responses import DONE_REASONS
 from app.serve.streaming import coalesce
 
 log = logging.getLogger(__name__)
@@ -46,9 +47,16 @@ class DecodeServer(EngineReplica):
             self.host.inflight_tokens -= len(prompt)
 
     async def generate_to(self, req: DecodeRequest, reply_to: ReplyTo) -> StreamSummary:
-        """The same deltas, sent to the ingress's inbox (see EngineServer.generate_to)."""
+        """The same deltas, sent to the ingress's inbox (see EngineServer.generate_to).
+        The call may arrive while the prefill still runs (``req.prefill`` a ref to its
+        result): it waits for that result here. Nothing is sent if the prefill's token
+        already ended the choice (the ingress cancels this call then)."""
         prompt = req.request.prompt_token_ids
         link = await self.outbox.link(reply_to)
+        prefill = await _prefill_result(req)
+        if prefill.first.finish_reason in DONE_REASONS:
+            return StreamSummary(req.request.request_id, 0)
+        req = dataclasses.replace(req, prefill=prefill)
         timer = RequestTimer(self.host.metrics, len(prompt), count=False, after_first=True)
         drops: list[asyncio.Task] = []  # store drops of chunks the import rejected
         tokens, completed = 0, False
@@ -74,7 +82,7 @@ class DecodeServer(EngineReplica):
                     log.warning("dropping a rejected chunk from the store failed: %s", failure)
         return StreamSummary(req.request.request_id, tokens)
 
-    async def _request(self, req: DecodeRequest) -> Request:
+    async def _request(self, req: DecodeRequest) -> Request:  # req.prefill: a PrefillResult
         """The engine request continuing after prefill's first token, with the prompt's KV."""
         gen, first = req.request, req.prefill.first
         prompt = gen.prompt_token_ids
@@ -98,3 +106,11 @@ class DecodeServer(EngineReplica):
                     await self.host.drop_rejected(delta.kv_rejected)
                     delta = dataclasses.replace(delta, kv_rejected=None)
                 yield delta
+
+
+async def _prefill_result(req: DecodeRequest) -> PrefillResult:
+    """The prefill's result: in the message, or awaited through the ref the ingress sent
+    when it placed this call while the prefill ran (its failure fails this call)."""
+    if isinstance(req.prefill, PrefillResult):
+        return req.prefill
+    return await req.prefill

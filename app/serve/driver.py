@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from ray.serve.handle import DeploymentHandle
@@ -81,6 +81,10 @@ async def _result(response) -> Any:
     return await response
 
 
+async def _ready(result) -> RequestDelta:
+    return result.first
+
+
 def _call_ended(call: asyncio.Task, queue: DeltaQueue) -> None:
     """A `generate_to` call ended: its error fails the choice (after the deltas already
     queued); a return means the final delta is on its way."""
@@ -98,11 +102,13 @@ async def _inbox_deltas(
     request_id: str,
     start: Callable[[ReplyTo], Any],
     admission: AdmissionTicket,
-    first: RequestDelta | None = None,
+    first: Awaitable[RequestDelta] | None = None,
 ) -> AsyncIterator[RequestDelta]:
     """One choice's deltas from the inbox while its unary `generate_to` call (``start``)
-    runs. ``first``: the prefill's first delta, given out once the decode call has a
-    replica (so an overloaded decode deployment still answers 429 before any byte)."""
+    runs. ``first``: the prefill's first delta (awaited: the decode call may be placed
+    while the prefill runs), given out once the decode call has a replica (so an
+    overloaded decode deployment still answers 429 before any byte); if it already ends
+    the choice, the decode call is cancelled."""
     queue = inbox.open(request_id)  # before the call: no delta can be missed
     response = start(inbox.reply_to)
     call = asyncio.ensure_future(_result(response))
@@ -110,8 +116,11 @@ async def _inbox_deltas(
     try:
         if first is not None:
             await _assigned(response)
+            head = await first
             admission.admit()
-            yield first
+            yield head
+            if head.finish_reason in DONE_REASONS:
+                return  # the prefill's token ended it: the finally cancels the decode call
         while True:
             delta = await queue.get()
             admission.admit()  # the engine took it (its refusal would come first)
@@ -204,6 +213,13 @@ class RequestDriver:
                 yield delta
             return
         response = self.prefill.prefill.remote(gen)
+        overlap = hasattr(response, "_to_object_ref") and gen.params.max_tokens > 1
+        if self.inbox is not None and overlap:
+            deltas = self._decode_during_prefill(gen, response, admission)
+            async with contextlib.aclosing(deltas):
+                async for delta in deltas:
+                    yield delta
+            return
         try:
             result = await response
         except asyncio.CancelledError:
@@ -218,7 +234,7 @@ class RequestDriver:
         message = DecodeRequest(gen, result, routing)
         if self.inbox is not None:
             start = lambda reply_to: self.decode.generate_to.remote(message, reply_to)  # noqa: E731
-            deltas = _inbox_deltas(self.inbox, gen.request_id, start, admission, result.first)
+            deltas = _inbox_deltas(self.inbox, gen.request_id, start, admission, _ready(result))
             async with contextlib.aclosing(deltas):
                 async for delta in deltas:
                     yield delta
@@ -229,6 +245,37 @@ class RequestDriver:
         yield result.first
         async for delta in _stream(decode):
             yield delta
+
+    async def _decode_during_prefill(
+        self, gen: GenerateRequest, prefill, admission: AdmissionTicket
+    ) -> AsyncIterator[RequestDelta]:
+        """Disaggregated with the delta channel: the decode call is placed as soon as the
+        prefill call has a replica and is given a ref to the prefill's result, which the
+        decode replica awaits itself; so the first token waits for the longer of the
+        prefill and the decode assignment, not for both in turn."""
+        try:
+            result_ref = await prefill._to_object_ref()  # once the prefill has a replica
+        except BaseException:
+            prefill.cancel()
+            raise
+        routing = RoutingInfo(gen.routing.num_tokens, gen.routing.chunk_keys, None)
+        message = DecodeRequest(gen, result_ref, routing)
+        first = asyncio.ensure_future(self._prefilled(gen, prefill))
+        start = lambda reply_to: self.decode.generate_to.remote(message, reply_to)  # noqa: E731
+        deltas = _inbox_deltas(self.inbox, gen.request_id, start, admission, first)
+        try:
+            async with contextlib.aclosing(deltas):
+                async for delta in deltas:
+                    yield delta
+        finally:
+            if not first.done():  # refused (429), cancelled or failed before the prefill ended
+                first.cancel()
+                prefill.cancel()
+
+    async def _prefilled(self, gen: GenerateRequest, prefill) -> RequestDelta:
+        result = await prefill
+        self._record(gen, result)
+        return result.first
 
     def _record(self, gen: GenerateRequest, result) -> None:
         if not self.record_placement:

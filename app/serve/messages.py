@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from app.engine.request import RequestDelta
 from app.engine.sampling_params import SamplingParams
 from app.kv.keys import chain_keys, make_salt
 from app.kvstore.store import StoredChunk
+
+if TYPE_CHECKING:
+    from ray import ObjectRef
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +47,8 @@ class PrefillResult:
 @dataclass(frozen=True, slots=True)
 class DecodeRequest:
     request: GenerateRequest
-    prefill: PrefillResult
+    # or a Ray ObjectRef of it: the ingress places the decode call while the prefill runs
+    prefill: PrefillResult | ObjectRef
     routing: RoutingInfo = field(default_factory=lambda: RoutingInfo(0))
 
 

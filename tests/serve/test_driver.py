@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+from types import SimpleNamespace
 
-from app.engine.request import RequestDelta
+from app.engine.request import OverloadedError, RequestDelta
 from app.engine.sampling_params import SamplingParams
+from app.serve.delta_inbox import DeltaInbox
+from app.serve.delta_outbox import DeltaOutbox
 from app.serve.driver import RequestDriver
 from app.serve.messages import PrefillResult
 from app.serve.metrics import ReplicaMetrics
@@ -125,3 +129,134 @@ def test_the_text_is_the_engines_text():
     got = _collect(RequestDriver(ReplicaMetrics("ingress", "test-driver"), engine=engine))
     assert "".join(d.text_delta for d in got) == "Hello"
     assert got[-1].finish_reason == "stop"
+
+
+class _PrefillCall:
+    """A unary Serve call to a prefill replica: awaitable (its result, once `release`d),
+    `_to_object_ref()` (a ref the decode replica can await) and `cancel()`."""
+
+    def __init__(self, calls: list[str], result: PrefillResult):
+        self.calls, self.result = calls, result
+        self.ref: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.cancelled = False
+
+    def release(self) -> None:
+        self.calls.append("prefill.done")
+        self.ref.set_result(self.result)
+
+    async def _to_object_ref(self) -> asyncio.Future:
+        return self.ref
+
+    def __await__(self):
+        return asyncio.shield(self.ref).__await__()
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class _DecodeCall:
+    """`decode.generate_to.remote(message, reply_to)`: awaits the prefill's result through
+    the message, then sends its deltas to the ingress's inbox, like DecodeServer."""
+
+    def __init__(self, calls, message, reply_to, deltas, refuse=None):
+        self.calls, self.refuse = calls, refuse
+        self.cancelled = False
+        self.task = asyncio.ensure_future(self._run(message, reply_to, deltas))
+
+    async def _run(self, message, reply_to, deltas):
+        if self.refuse is not None:
+            raise self.refuse
+        first = (await message.prefill).first  # placed before the prefill ended
+        outbox = DeltaOutbox()
+        link = await outbox.link(reply_to)
+        for d in deltas:
+            link.send(dataclasses.replace(d, request_id=message.request.request_id))
+        await link.drained()
+        return first
+
+    async def _fetch_future_result_async(self):
+        if self.refuse is not None:
+            raise self.refuse  # Serve's BackPressureError: no replica took it
+
+    def __await__(self):
+        return self.task.__await__()
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        self.task.cancel()
+
+
+def _overlap_driver(calls, first, rest, refuse=None):
+    state = {}
+
+    class Prefill:
+        def remote(self, gen):
+            calls.append("prefill")
+            state["prefill"] = _PrefillCall(calls, PrefillResult(gen.request_id, first, [], "p"))
+            return state["prefill"]
+
+    class GenerateTo:
+        def remote(self, message, reply_to):
+            calls.append("decode.generate_to")
+            state["decode"] = _DecodeCall(calls, message, reply_to, rest, refuse)
+            asyncio.get_running_loop().call_later(0.05, state["prefill"].release)
+            return state["decode"]
+
+    prefill = SimpleNamespace(prefill=Prefill(), describe=_Method(calls, "p", DESCRIBE))
+    decode = SimpleNamespace(generate_to=GenerateTo(), describe=_Method(calls, "d", DESCRIBE))
+    return prefill, decode, state
+
+
+def _run_overlapped(first, rest, refuse=None, max_tokens=4):
+    calls: list[str] = []
+
+    async def go():
+        inbox = await DeltaInbox.start()
+        prefill, decode, state = _overlap_driver(calls, first, rest, refuse)
+        driver = RequestDriver(
+            ReplicaMetrics("ingress", "test-driver"), prefill=prefill, decode=decode, inbox=inbox
+        )
+        params = SamplingParams(max_tokens=max_tokens)
+        req = NormalizedRequest("r", "e", "text_completion", [5, 6, 7], params)
+        try:
+            stream = await driver.start(req)
+            return (await stream.collect(timeout_s=10))[0], state
+        except Exception as e:  # noqa: BLE001 - the test looks at it
+            return e, state
+        finally:
+            await inbox.stop()
+
+    got, state = asyncio.run(go())
+    return got, calls, state
+
+
+def test_the_decode_call_is_placed_while_the_prefill_runs():
+    """Disaggregated with the delta channel: the decode call goes out as soon as the prefill
+    has a replica (it awaits the prefill's result itself), so the first token does not wait
+    for the prefill and then the decode assignment in turn. Seen failing with the driver
+    awaiting the prefill before placing the decode call (order prefill.done first)."""
+    first = delta([40], "He", finished=True)  # prefill_only: finished, no reason
+    rest = [delta([41], "l"), delta([42, 2], "lo", finished=True, reason="stop")]
+    got, calls, state = _run_overlapped(first, rest)
+    assert calls[-3:] == ["prefill", "decode.generate_to", "prefill.done"]
+    assert "".join(d.text_delta for d in got) == "Hello"
+    assert got[-1].finish_reason == "stop" and not state["prefill"].cancelled
+
+
+def test_an_overloaded_decode_deployment_refuses_before_any_byte_and_cancels_the_prefill():
+    """429 stays before the first byte: the prefill's token is not given out until the decode
+    call has a replica; a refused decode call fails the request and cancels the prefill."""
+    first = delta([40], "He", finished=True)
+    refused = OverloadedError("decode queue full")
+    got, calls, state = _run_overlapped(first, [], refuse=refused)
+    assert isinstance(got, Exception), got
+    assert state["prefill"].cancelled
+
+
+def test_a_choice_the_prefill_token_ends_cancels_the_placed_decode_call():
+    """The prefill's first token may end the choice (a stop token): the decode call that was
+    placed while it ran is cancelled and the choice is that one token."""
+    first = delta([2], "", finished=True, reason="stop")
+    got, calls, state = _run_overlapped(first, [delta([41], "l", finished=True)])
+    assert [d.new_token_ids for d in got] == [[2]] and got[0].finish_reason == "stop"
+    assert state["decode"].cancelled
