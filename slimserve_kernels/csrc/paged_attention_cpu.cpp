@@ -143,6 +143,59 @@ __attribute__((always_inline)) inline float dot(const float* a, const float* b, 
   return s;
 }
 
+// exp(x) for x <= 0 (a score minus its row's running max), within ~2 ulp of expf, in
+// arithmetic that vectorizes (glibc's expf is a call per element): Cephes' range reduction
+// x = n ln2 + r (n = x log2(e) rounded to nearest by the 1.5 * 2**23 trick, which also
+// leaves n in the low mantissa bits: GCC did not vectorize a float -> int cast here) and
+// degree-6 polynomial, 2**n from exponent bits. Below -87 the result is 0 (expf's is
+// < 2**-125, next to the row max's 1 in the sum).
+__attribute__((always_inline)) inline float exp_nonpositive(float x) {
+  const uint32_t keep = 0u - static_cast<uint32_t>(x >= -87.0f);  // a mask: no branch
+  x = std::max(x, -87.0f);
+  constexpr float kShift = 0x1.8p23f;
+  const float shifted = x * 1.44269504088896341f + kShift;
+  const float n = shifted - kShift;
+  float r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.0f;
+  const int32_t n_int = bits_as<int32_t>(shifted) - bits_as<int32_t>(kShift);
+  const uint32_t scale = static_cast<uint32_t>(n_int + 127) << 23;
+  return bits_as<float>(bits_as<uint32_t>(y * bits_as<float>(scale)) & keep);
+}
+
+// pr[t] = exp(pr[t] - m) for t < n -> their sum.
+__attribute__((always_inline)) inline float softmax_numerators(float* __restrict pr, int64_t n,
+                                                               float m) {
+  for (int64_t t = 0; t < n; ++t) pr[t] = exp_nonpositive(pr[t] - m);
+  float sum = 0.0f;
+  for (int64_t t = 0; t < n; ++t) sum += pr[t];
+  return sum;
+}
+
+// acc[0..d) += sum over t < n of w[t] * v[t * stride + i], 16 columns at a time so the
+// partial sums stay in registers across the block's keys.
+__attribute__((always_inline)) inline void weighted_rows(float* __restrict acc,
+                                                         const float* __restrict w,
+                                                         const float* __restrict v,
+                                                         int64_t n, int64_t stride, int64_t d) {
+  int64_t i = 0;
+  for (; i + kLanes <= d; i += kLanes) {
+    float a[kLanes];
+    for (int l = 0; l < kLanes; ++l) a[l] = acc[i + l];
+    for (int64_t t = 0; t < n; ++t)
+      for (int l = 0; l < kLanes; ++l) a[l] += w[t] * v[t * stride + i + l];
+    for (int l = 0; l < kLanes; ++l) acc[i + l] = a[l];
+  }
+  for (; i < d; ++i)
+    for (int64_t t = 0; t < n; ++t) acc[i] += w[t] * v[t * stride + i];
+}
+
 // One (sequence, KV head): every query row of the sequence times the G heads of the group.
 // Inlined into one copy per instruction set below.
 __attribute__((always_inline)) inline void attend(const Problem& p, int64_t b, int64_t h,
@@ -184,11 +237,7 @@ __attribute__((always_inline)) inline void attend(const Problem& p, int64_t b, i
         continue;
       }
       const float correction = std::exp(row_max[r] - m);  // 0 at the first block (-inf)
-      float sum = 0.0f;
-      for (int64_t t = 0; t < seen; ++t) {
-        pr[t] = std::exp(pr[t] - m);
-        sum += pr[t];
-      }
+      const float sum = softmax_numerators(pr, seen, m);
       for (int64_t t = seen; t < n; ++t) pr[t] = 0.0f;
       row_sum[r] = row_sum[r] * correction + sum;
       row_max[r] = m;
@@ -196,15 +245,7 @@ __attribute__((always_inline)) inline void attend(const Problem& p, int64_t b, i
       for (int64_t i = 0; i < d; ++i) a[i] *= correction;
     }
     const float* values = block_rows(p, p.v, block, h, n, v_tile, &vs);
-    for (int64_t r = 0; r < rows; ++r) {
-      float* a = acc + r * d;
-      const float* pr = prob + r * bs;
-      for (int64_t t = 0; t < n; ++t) {
-        const float w = pr[t];
-        const float* v = values + t * vs;
-        for (int64_t i = 0; i < d; ++i) a[i] += w * v[i];
-      }
-    }
+    for (int64_t r = 0; r < rows; ++r) weighted_rows(acc + r * d, prob + r * bs, values, n, vs, d);
   }
   for (int64_t r = 0; r < rows; ++r) {
     float* o = p.out + ((q0 + r / g) * p.hq + h * g + r % g) * d;
