@@ -80,6 +80,11 @@ def paged_decode_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables, 
 # (decodes, speculative verify steps with k <= 16 proposals, short chunks); longer ones (a
 # prefill) go to the reference, which does not pad every sequence to the longest query.
 MAX_BATCHED_QUERY = 17
+# The C++ kernel pads nothing, so it also takes prefills: up to this many new tokens per
+# sequence it beat the reference's gather + einsum per sequence (64-token prompts, batch 32:
+# 5.7 vs 11.7 ms per layer float32, vs 17.4 FP8); at 256 the reference's GEMMs were ahead
+# for a float32 cache (8.3 vs 10.7 ms, batch 4).
+KERNEL_MAX_QUERY = 128
 
 
 @dataclass(slots=True)
@@ -114,11 +119,14 @@ def prepare_decode(
 ) -> DecodeContext | None:
     """query_start_loc None: a decode (one new token per sequence). Else [B + 1] rows of a
     step with several new tokens per sequence; None back if one is longer than
-    MAX_BATCHED_QUERY (the caller then uses the per-sequence reference)."""
-    if query_start_loc is not None and _longest_query(query_start_loc) > MAX_BATCHED_QUERY:
-        return None
-    if block_tables.device.type == "cpu" and cpu_paged.available():
+    KERNEL_MAX_QUERY with the C++ kernel, MAX_BATCHED_QUERY without (the caller then uses
+    the per-sequence reference)."""
+    longest = 1 if query_start_loc is None else _longest_query(query_start_loc)
+    on_cpu = block_tables.device.type == "cpu"
+    if on_cpu and longest <= KERNEL_MAX_QUERY and cpu_paged.available():
         return _kernel_context(block_tables, seq_lens, slot_mapping, query_start_loc)
+    if longest > MAX_BATCHED_QUERY:
+        return None
     b, width = block_tables.shape[0], block_tables.shape[1] * block_size
     if query_start_loc is None:  # a decode: keys at or past the length are masked (the
         # general form below gives the same mask in ~10 more ops per step)

@@ -126,10 +126,12 @@ def test_short_extend_matches_reference_prefill(dtype, step_path):
 
 
 def test_long_extend_declines_batched_path(step_path):
-    """A query longer than MAX_BATCHED_QUERY (a prefill) is left to the reference, which
-    does not pad every sequence of the step to it."""
-    n = torch_attention.MAX_BATCHED_QUERY + 1
-    tables = torch.tensor([[0, 1, 2, 3, 4], [5, 0, 0, 0, 0]], dtype=torch.int32)
+    """A query longer than the batched path takes (MAX_BATCHED_QUERY rows for the padded
+    torch path, KERNEL_MAX_QUERY for the C++ kernel: a long prefill) is left to the
+    reference; one row shorter is not."""
+    limit = {"torch": torch_attention.MAX_BATCHED_QUERY, "kernel": torch_attention.KERNEL_MAX_QUERY}
+    n = limit[step_path] + 1
+    tables = torch.arange(2 * (n // 4 + 2), dtype=torch.int32).view(2, -1)
     lens = torch.tensor([n, 2], dtype=torch.int32)
     starts = torch.tensor([0, n, n + 1], dtype=torch.int32)
     slots = torch.arange(n + 1)

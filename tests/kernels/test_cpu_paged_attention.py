@@ -69,11 +69,11 @@ def test_decode_matches_reference(dtype, group, d):
 @pytest.mark.parametrize("dtype", [torch.float32, FP8])
 @pytest.mark.parametrize("block_size", [5, 16])
 def test_extend_matches_reference_prefill(dtype, block_size):
-    """Several causal query rows per sequence (a verify step, a short chunk): 3, 1, 5 and 17
-    new tokens, one sequence all new (its first tokens)."""
+    """Several causal query rows per sequence (a verify step, a short chunk, a prefill): 3,
+    1, 5, 17 and 100 new tokens, two sequences all new (a prefill of their first tokens)."""
     hkv, group, d = 2, 3, 64
-    lens = [40, 7, 5, 90]
-    n_new = [3, 1, 5, 17]
+    lens = [40, 7, 5, 90, 100]
+    n_new = [3, 1, 5, 17, 100]
     cache = paged_cache(dtype, lens, block_size, hkv, d, seed=block_size)
     starts = torch.tensor([0, *torch.tensor(n_new).cumsum(0).tolist()], dtype=torch.int32)
     lens = torch.tensor(lens, dtype=torch.int32)
