@@ -69,6 +69,9 @@ def _build() -> ModuleType:
 
     with open(SOURCE, "rb") as f:  # the name keys the cache: a changed source or torch rebuilds
         digest = hashlib.sha256(f.read() + torch.__version__.encode()).hexdigest()[:12]
+    # A first build takes ~40 s of one core (three instruction-set copies); say so, or the
+    # first decode step looks hung. A cached build loads in well under a second.
+    log.info("CPU paged attention: loading the C++ kernel (a first build takes ~40 s, once)")
     module = cpp_extension.load(
         name=f"slimserve_paged_attention_cpu_{digest}",
         sources=[SOURCE],
