@@ -90,8 +90,11 @@ __attribute__((always_inline)) inline void load_row(const Problem& p, const Cach
   switch (p.kind) {
     case CacheKind::kFp8: {
       const uint8_t* src = static_cast<const uint8_t*>(c.data) + off;
-      // 2**e exactly (e is an int8 exponent; ldexp is exact for every one of them).
-      const float s = std::ldexp(1.0f, c.scale[block * c.e_block + t * c.e_tok + h * c.e_head]);
+      // 2**e exactly (e is an int8 exponent): from its bits where it is a normal float (every
+      // exponent kv_write stores, [-100, 127]); ldexp, a libm call per row, only below that.
+      const int e = c.scale[block * c.e_block + t * c.e_tok + h * c.e_head];
+      const float s = e >= -126 ? bits_as<float>(static_cast<uint32_t>(e + 127) << 23)
+                                : std::ldexp(1.0f, e);
       fp8_row(src, dst, d, s);
       break;
     }
@@ -127,18 +130,44 @@ __attribute__((always_inline)) inline const float* block_rows(const Problem& p, 
   return tile;
 }
 
-constexpr int kLanes = 16;  // independent partial sums, so the dot product vectorizes
+constexpr int kLanes = 16;
+
+// 16 floats as one vector value (GCC/Clang vector extension): one zmm in the AVX-512 copy, two
+// ymm / four xmm in the others. Loops over `float acc[16]` arrays were left half scalar by
+// GCC's vectorizer here (perf: scalar FMAs and stack round trips in the dot's sum and the V
+// accumulation were most of a decode's kernel time).
+typedef float Vec16 __attribute__((vector_size(64)));
+typedef float Vec8 __attribute__((vector_size(32)));
+typedef float Vec4 __attribute__((vector_size(16)));
+
+__attribute__((always_inline)) inline Vec16 load16(const float* p) {
+  Vec16 v;
+  std::memcpy(&v, p, sizeof(v));  // unaligned load
+  return v;
+}
+
+__attribute__((always_inline)) inline void store16(float* p, Vec16 v) {
+  std::memcpy(p, &v, sizeof(v));
+}
+
+// Sum of the 16 lanes by halving: 16 -> 8 -> 4 lanes as vector adds, then 4 scalars.
+__attribute__((always_inline)) inline float lane_sum(Vec16 v) {
+  Vec8 lo, hi;
+  std::memcpy(&lo, &v, sizeof(lo));
+  std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof(lo), sizeof(hi));
+  const Vec8 s8 = lo + hi;
+  Vec4 lo4, hi4;
+  std::memcpy(&lo4, &s8, sizeof(lo4));
+  std::memcpy(&hi4, reinterpret_cast<const char*>(&s8) + sizeof(lo4), sizeof(hi4));
+  const Vec4 s4 = lo4 + hi4;
+  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
 
 __attribute__((always_inline)) inline float dot(const float* a, const float* b, int64_t d) {
-  float acc[kLanes] = {0.0f};
+  Vec16 acc = {};
   int64_t i = 0;
-  for (; i + kLanes <= d; i += kLanes)
-    for (int l = 0; l < kLanes; ++l) acc[l] += a[i + l] * b[i + l];
-  // Pairwise: each halving is one vector add; a lane-by-lane sum was a chain of 16
-  // dependent scalar adds per dot, most of a decode's time.
-  for (int w = kLanes / 2; w > 0; w /= 2)
-    for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
-  float s = acc[0];
+  for (; i + kLanes <= d; i += kLanes) acc += load16(a + i) * load16(b + i);
+  float s = lane_sum(acc);
   for (; i < d; ++i) s += a[i] * b[i];
   return s;
 }
@@ -179,18 +208,16 @@ __attribute__((always_inline)) inline float softmax_numerators(float* __restrict
 }
 
 // acc[0..d) += sum over t < n of w[t] * v[t * stride + i], 16 columns at a time so the
-// partial sums stay in registers across the block's keys.
+// partial sums stay in a register across the block's keys.
 __attribute__((always_inline)) inline void weighted_rows(float* __restrict acc,
                                                          const float* __restrict w,
                                                          const float* __restrict v,
                                                          int64_t n, int64_t stride, int64_t d) {
   int64_t i = 0;
   for (; i + kLanes <= d; i += kLanes) {
-    float a[kLanes];
-    for (int l = 0; l < kLanes; ++l) a[l] = acc[i + l];
-    for (int64_t t = 0; t < n; ++t)
-      for (int l = 0; l < kLanes; ++l) a[l] += w[t] * v[t * stride + i + l];
-    for (int l = 0; l < kLanes; ++l) acc[i + l] = a[l];
+    Vec16 a = load16(acc + i);
+    for (int64_t t = 0; t < n; ++t) a += w[t] * load16(v + t * stride + i);
+    store16(acc + i, a);
   }
   for (; i < d; ++i)
     for (int64_t t = 0; t < n; ++t) acc[i] += w[t] * v[t * stride + i];
