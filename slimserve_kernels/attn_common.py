@@ -9,6 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
+from slimserve_kernels.device import fp8_tensor_cores
 from slimserve_kernels.fp8_utils import e4m3_bits_to_fp16, pow2
 from slimserve_kernels.reference import FP8_DTYPE, is_fp8
 
@@ -28,7 +29,7 @@ def dot_operands(q: torch.Tensor, k_cache: torch.Tensor) -> tuple[torch.Tensor, 
 def fp8_native(t: torch.Tensor) -> bool:
     """Whether Triton can load float8e4nv here: CPU (interpreter) and CUDA sm_89+. Older GPUs
     (A100) get the cache as uint8 bits, decoded in-kernel by `e4m3_bits_to_fp16`."""
-    return not t.is_cuda or torch.cuda.get_device_capability(t.device) >= (8, 9)
+    return not t.is_cuda or fp8_tensor_cores(t.device)
 
 
 @dataclass(frozen=True)

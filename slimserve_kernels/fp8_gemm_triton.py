@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from slimserve_kernels.device import num_sms
+from slimserve_kernels.device import fp8_tensor_cores, num_sms
 from slimserve_kernels.fp8_utils import e4m3_bits_to_fp16
 from slimserve_kernels.gemm_common import load_x_tile, output_tile, split_k_range, store_split
 from slimserve_kernels.reference import FP8_DTYPE, dequantize_fp8_blocks
@@ -85,7 +85,7 @@ def choose_config(m: int, n: int, k: int, sbk: int, num_sms: int = 132) -> dict:
 
 def _fp8_operand(w: torch.Tensor) -> torch.Tensor:
     """Native float8e4nv on CPU (interpreter) and sm_89+; uint8 bits on older GPUs."""
-    if w.is_cuda and torch.cuda.get_device_capability(w.device) < (8, 9):
+    if w.is_cuda and not fp8_tensor_cores(w.device):
         return w.view(torch.uint8)
     return w
 

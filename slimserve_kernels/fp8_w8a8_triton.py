@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from slimserve_kernels.device import num_sms
+from slimserve_kernels.device import fp8_tensor_cores, num_sms
 from slimserve_kernels.fp8_act_quant_triton import quantize_fp8_token_groups
 from slimserve_kernels.fp8_utils import e4m3_bits_to_fp16
 from slimserve_kernels.gemm_common import load_x_tile, output_tile, split_k_range, store_split
@@ -105,7 +105,7 @@ def choose_config(m: int, n: int, k: int, sbk: int, num_sms: int = 132) -> dict:
 def fp8_dot_native(t: torch.Tensor) -> bool:
     """FP8 tensor cores: sm_89 (Ada) and sm_90 (Hopper) on. CPU: the interpreter, which runs
     FP8 dots too, but the tests pick the path explicitly."""
-    return t.is_cuda and torch.cuda.get_device_capability(t.device) >= (8, 9)
+    return fp8_tensor_cores(t.device)
 
 
 def _operand(t: torch.Tensor, native: bool) -> torch.Tensor:

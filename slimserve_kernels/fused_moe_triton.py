@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from slimserve_kernels.device import fp8_tensor_cores
 from slimserve_kernels.fp8_utils import e4m3_bits_to_fp16
 from slimserve_kernels.int4_gemm_triton import _unpack_words
 from slimserve_kernels.moe_common import MoEWeights, align_rows
@@ -120,7 +121,7 @@ def choose_config(num_pairs: int) -> dict:
 
 def _weight_args(w: MoEWeights, which: str) -> tuple:
     t, s, z = (w.w13, w.s13, w.z13) if which == "13" else (w.w2, w.s2, w.z2)
-    if w.kind == "fp8" and t.is_cuda and torch.cuda.get_device_capability(t.device) < (8, 9):
+    if w.kind == "fp8" and t.is_cuda and not fp8_tensor_cores(t.device):
         t = t.view(torch.uint8)
     s = s if s is not None else t  # unused pointers for kinds without them
     zz = z if z is not None else s

@@ -13,9 +13,9 @@ activations): `use_w8a8` is asked only where the Triton kernels run.
 
 from __future__ import annotations
 
-import functools
-
 import torch
+
+from slimserve_kernels.device import fp8_tensor_cores  # the kernels' own test (sm_89+)
 
 # UNMEASURED: chosen from first principles, to be set by bench/kernels.py's `model_gemm` rows
 # (impl "w8a8" vs "fp8", i.e. W8A8 vs W8A16, per model projection and M; docs/quantization.md).
@@ -27,18 +27,6 @@ import torch
 # the first M whose tiles (BLOCK_M 128) run FP8 wgmma on Hopper (smaller tiles go through
 # mma.sync, which Triton upcasts to fp16 on sm_90: tests/kernels/test_triton_gpu_compile.py).
 W8A8_MIN_TOKENS = 128
-FP8_TENSOR_CORES = (8, 9)  # Ada (sm_89) and Hopper (sm_90) on
-
-
-@functools.cache
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
-def fp8_tensor_cores(device: torch.device) -> bool:
-    if device.type != "cuda":
-        return False
-    return _capability(device.index or 0) >= FP8_TENSOR_CORES
 
 
 def use_w8a8(mode: str, x: torch.Tensor) -> bool:
