@@ -104,7 +104,9 @@ class DecodeContext:
     rows: torch.Tensor | None  # [B * max_blocks] int64: the block tables, flattened
     mask: torch.Tensor | None  # [B, 1, Q, max_blocks * block_size] float32: -inf past each
     # position (rows and mask are None when the C++ kernel attends: `kernel` is set)
-    slots: torch.Tensor  # [T'] int64: the slots written (the >= 0 ones)
+    # [T'] int64: the slots written (the >= 0 ones); None with the kernel until a cache its
+    # kv_write does not take (16-bit) needs them (`_write`)
+    slots: torch.Tensor | None
     kept: torch.Tensor | None  # [T'] int64: rows of k/v written; None = all of them
     # Q > 1 (e.g. a verify step: 1 + k rows per sequence): row t of q is padded row
     # query_rows[t] of [B * Q]; None: Q == 1, one row per sequence, no padding.
@@ -135,7 +137,7 @@ def prepare_decode(
     lens = seq_lens.long()
     starts = query_start_loc.long()
     n_new = starts[1:] - starts[:-1]  # [B]
-    q_len = int(n_new.max())
+    q_len = longest
     seq_of_row = torch.repeat_interleave(torch.arange(b, device=lens.device), n_new)  # [T]
     j = torch.arange(seq_of_row.shape[0], device=lens.device) - starts[seq_of_row]
     query_rows = seq_of_row * q_len + j
@@ -159,8 +161,7 @@ def _kernel_context(block_tables, seq_lens, slot_mapping, query_start_loc) -> De
     qsl = None if query_start_loc is None else as_i32(query_start_loc)
     all_slots = slot_mapping.long().contiguous()
     inputs = KernelInputs(as_i32(block_tables), as_i32(seq_lens), qsl, all_slots)
-    slots, kept = _written(slot_mapping)
-    return DecodeContext(None, None, slots, kept, kernel=inputs)
+    return DecodeContext(None, None, None, None, kernel=inputs)
 
 
 def _written(slot_mapping) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -227,6 +228,8 @@ _KERNEL_WRITES = (torch.float32, torch.float8_e4m3fn)
 
 def _write(ctx: DecodeContext, k, v, k_cache, v_cache, k_scale, v_scale) -> None:
     """kv_write of the step's new rows (the >= 0 slots) with torch ops."""
+    if ctx.slots is None:  # the kernel's context: found once per step, at the first layer
+        ctx.slots, ctx.kept = _written(ctx.kernel.slot_mapping)
     if ctx.kept is not None:
         k, v = k.index_select(0, ctx.kept), v.index_select(0, ctx.kept)
     if is_fp8(k_cache):
