@@ -59,6 +59,12 @@ __attribute__((always_inline)) inline To bits_as(From x) {  // std::bit_cast (C+
   return y;
 }
 
+// 2**e exactly: from its bits where it is a normal float (e >= -126; every exponent kv_write
+// stores, [-100, 127], and their negations but -127), else ldexp (a libm call).
+__attribute__((always_inline)) inline float exp2i(int e) {
+  return e >= -126 ? bits_as<float>(static_cast<uint32_t>(e + 127) << 23) : std::ldexp(1.0f, e);
+}
+
 // The value of an e4m3 code, exactly (== fp8_values' table entry, tested for all 256 codes),
 // in branch-free integer arithmetic that vectorizes (a table lookup is a gather per element):
 // a normal code's exponent and mantissa fields move into fp32's and the bias goes from 7 to
@@ -90,11 +96,7 @@ __attribute__((always_inline)) inline void load_row(const Problem& p, const Cach
   switch (p.kind) {
     case CacheKind::kFp8: {
       const uint8_t* src = static_cast<const uint8_t*>(c.data) + off;
-      // 2**e exactly (e is an int8 exponent): from its bits where it is a normal float (every
-      // exponent kv_write stores, [-100, 127]); ldexp, a libm call per row, only below that.
-      const int e = c.scale[block * c.e_block + t * c.e_tok + h * c.e_head];
-      const float s = e >= -126 ? bits_as<float>(static_cast<uint32_t>(e + 127) << 23)
-                                : std::ldexp(1.0f, e);
+      const float s = exp2i(c.scale[block * c.e_block + t * c.e_tok + h * c.e_head]);
       fp8_row(src, dst, d, s);
       break;
     }
@@ -395,7 +397,7 @@ int8_t fp8_exponent(const float* x, int64_t d) {
 // c10's own float -> e4m3fn rounding (what the reference's .to() does).
 void quantize_row(const float* x, int64_t d, uint8_t* dst, int8_t* e_dst) {
   const int8_t e = fp8_exponent(x, d);
-  const float inv = std::ldexp(1.0f, -e);
+  const float inv = exp2i(-e);
   for (int64_t i = 0; i < d; ++i) {
     const float y = std::clamp(x[i] * inv, -448.0f, 448.0f);
     dst[i] = c10::Float8_e4m3fn(y).x;
