@@ -7,7 +7,8 @@ per torch version and source with `torch.utils.cpp_extension.load` into torch's 
 directory (`TORCH_EXTENSIONS_DIR`, default ~/.cache/torch_extensions); torch's file lock
 there serializes concurrent first builds (several processes or Ray replicas). The build
 takes no -march flag: the kernel's hot function is compiled for AVX-512, AVX2 and baseline
-x86-64 and picked at load time (`target_clones`), so a cached build runs on any x86-64 CPU.
+x86-64 (target attributes) and picked at the first call from the CPU's features, so a cached
+build runs on any x86-64 CPU.
 
 `available()` is False, logging why once, when the kernels are off (`SLIMSERVE_CPU_KERNELS=0`,
 read on every call so a test can switch it) or the build failed (no compiler, not x86-64);
