@@ -1,14 +1,9 @@
 """The C++ CPU paged attention and KV write (`csrc/paged_attention_cpu.cpp`), built just in
-time.
+time (`cpu_build.py`: once per source and torch version, AVX-512 / AVX2 / baseline copies
+picked at run time).
 
 `paged_attention_cpu` reads the paged KV cache in place through the block table: no gather
-copy of every sequence's blocks per layer, FP8 codes decoded in the kernel. It is built once
-per torch version and source with `torch.utils.cpp_extension.load` into torch's extensions
-directory (`TORCH_EXTENSIONS_DIR`, default ~/.cache/torch_extensions); torch's file lock
-there serializes concurrent first builds (several processes or Ray replicas). The build
-takes no -march flag: the kernel's hot function is compiled for AVX-512, AVX2 and baseline
-x86-64 (target attributes) and picked at the first call from the CPU's features, so a cached
-build runs on any x86-64 CPU.
+copy of every sequence's blocks per layer, FP8 codes decoded in the kernel.
 
 `available()` is False, logging why once, when the kernels are off (`SLIMSERVE_CPU_KERNELS=0`,
 read on every call so a test can switch it) or the build failed (no compiler, not x86-64);
@@ -17,24 +12,23 @@ callers then keep the PyTorch path.
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
-import platform
 from functools import cache
 from types import ModuleType
 
 import torch
 
+from slimserve_kernels import cpu_build
+
 log = logging.getLogger(__name__)
 
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "paged_attention_cpu.cpp")
-ENV = "SLIMSERVE_CPU_KERNELS"
+ENV = cpu_build.ENV
+WHAT = "CPU paged attention"
 
 
 def enabled() -> bool:
     """False when SLIMSERVE_CPU_KERNELS is 0 / false / off."""
-    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+    return cpu_build.enabled()
 
 
 def available() -> bool:
@@ -47,40 +41,23 @@ def available() -> bool:
 
 @cache
 def _log_off() -> None:
-    log.info("CPU paged attention: the C++ kernel is off (%s=0); using the torch path", ENV)
+    log.info("%s: the C++ kernel is off (%s=0); using the torch path", WHAT, ENV)
 
 
 @cache
 def load() -> ModuleType | None:
     """The compiled extension, or None (logged once) if it does not build here."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        log.info(
-            "CPU paged attention: no C++ kernel for %s; using the torch path", platform.machine()
-        )
+    if not cpu_build.supported(WHAT, log):
         return None
     try:
         return _build()
     except Exception as e:  # no compiler, a failed build: the torch path still works
-        log.warning("CPU paged attention: C++ kernel build failed (%s); using the torch path", e)
+        log.warning("%s: C++ kernel build failed (%s); using the torch path", WHAT, e)
         return None
 
 
 def _build() -> ModuleType:
-    from torch.utils import cpp_extension
-
-    with open(SOURCE, "rb") as f:  # the name keys the cache: a changed source or torch rebuilds
-        digest = hashlib.sha256(f.read() + torch.__version__.encode()).hexdigest()[:12]
-    # A first build takes ~40 s of one core (three instruction-set copies); say so, or the
-    # first decode step looks hung. A cached build loads in well under a second.
-    log.info("CPU paged attention: loading the C++ kernel (a first build takes ~40 s, once)")
-    module = cpp_extension.load(
-        name=f"slimserve_paged_attention_cpu_{digest}",
-        sources=[SOURCE],
-        extra_cflags=["-O3"],
-        verbose=False,
-    )
-    log.info("CPU paged attention: C++ kernel loaded, %s (%s)", module.isa(), module.__file__)
-    return module
+    return cpu_build.build("paged_attention_cpu", WHAT, log)
 
 
 def paged_attention_cpu(

@@ -1,0 +1,63 @@
+"""Just-in-time builds of the C++ CPU kernels (`csrc/*.cpp`), shared by their loaders.
+
+Each source is one torch extension, built once per torch version and source with
+`torch.utils.cpp_extension.load` into torch's extensions directory (`TORCH_EXTENSIONS_DIR`,
+default ~/.cache/torch_extensions); torch's file lock there serializes concurrent first
+builds (several processes or Ray replicas). The name carries a digest of the source and the
+torch version, so a changed source or torch rebuilds instead of loading a stale module. A
+build takes no -march flag: each source compiles its hot functions for AVX-512, AVX2 and
+baseline x86-64 (target attributes) and picks one at run time, so a cached build runs on any
+x86-64 CPU.
+
+`SLIMSERVE_CPU_KERNELS=0` turns every C++ CPU kernel off (read on every call, so a test can
+switch it); callers then keep their PyTorch path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger(__name__)
+
+CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+ENV = "SLIMSERVE_CPU_KERNELS"
+
+
+def enabled() -> bool:
+    """False when SLIMSERVE_CPU_KERNELS is 0 / false / off."""
+    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def supported(what: str, logger: logging.Logger) -> bool:
+    """Whether this CPU can run the C++ kernels (x86-64); logs `what`'s fallback if not."""
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        return True
+    logger.info("%s: no C++ kernel for %s; using the torch path", what, platform.machine())
+    return False
+
+
+def build(stem: str, what: str, logger: logging.Logger) -> ModuleType:
+    """Builds (or loads the cached build of) csrc/<stem>.cpp; raises if it does not build.
+    `what` names the kernel in the log lines."""
+    from torch.utils import cpp_extension
+
+    source = os.path.join(CSRC, f"{stem}.cpp")
+    with open(source, "rb") as f:  # the name keys the cache: a changed source or torch rebuilds
+        digest = hashlib.sha256(f.read() + torch.__version__.encode()).hexdigest()[:12]
+    # A first build takes tens of seconds of one core (three instruction-set copies); say
+    # so, or the first step that uses it looks hung. A cached build loads in well under 1 s.
+    logger.info("%s: loading the C++ kernel (a first build takes ~40 s, once)", what)
+    module = cpp_extension.load(
+        name=f"slimserve_{stem}_{digest}",
+        sources=[source],
+        extra_cflags=["-O3"],
+        verbose=False,
+    )
+    logger.info("%s: C++ kernel loaded, %s (%s)", what, module.isa(), module.__file__)
+    return module
