@@ -22,7 +22,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <immintrin.h>
+#include <string>
 #include <limits>
 #include <vector>
 
@@ -65,14 +68,16 @@ __attribute__((always_inline)) inline float exp2i(int e) {
   return e >= -126 ? bits_as<float>(static_cast<uint32_t>(e + 127) << 23) : std::ldexp(1.0f, e);
 }
 
-// The value of an e4m3 code, exactly (== fp8_values' table entry, tested for all 256 codes),
-// in branch-free integer arithmetic that vectorizes (a table lookup is a gather per element):
-// a normal code's exponent and mantissa fields move into fp32's and the bias goes from 7 to
-// 127; a subnormal one is mantissa * 2**-9; exponent and mantissa all ones is NaN.
-__attribute__((always_inline)) inline float e4m3_value(uint8_t code) {
+// The value of an e4m3 code times 2**-8, exactly (fp8_values' entry / 256, tested for all 256
+// codes), in branch-free integer arithmetic that vectorizes (a table lookup is a gather per
+// element): a normal code's exponent and mantissa fields move into fp32's and the bias goes
+// from 7 to 127 + 8; a subnormal one is mantissa * 2**-17; exponent and mantissa all ones is
+// NaN. The 2**-8 is the AVX copies' unit (fp8_rows_avx512): the 256 goes back in with the
+// per-token scale, a power of two, so products and sums round as with the exact values.
+__attribute__((always_inline)) inline float e4m3_unit(uint8_t code) {
   const uint32_t mag = code & 0x7Fu, sign = static_cast<uint32_t>(code & 0x80u) << 24;
-  const uint32_t normal = (mag << 20) + (120u << 23);
-  const float subnormal = static_cast<float>(static_cast<int32_t>(mag & 7u)) * 0x1p-9f;
+  const uint32_t normal = (mag << 20) + (112u << 23);
+  const float subnormal = static_cast<float>(static_cast<int32_t>(mag & 7u)) * 0x1p-17f;
   // All-ones / all-zeros masks, not ternaries: GCC left the ternary form scalar here.
   const uint32_t is_normal = 0u - static_cast<uint32_t>(mag >= 8u);
   const uint32_t is_nan = 0u - static_cast<uint32_t>(mag == 0x7Fu);
@@ -81,64 +86,110 @@ __attribute__((always_inline)) inline float e4m3_value(uint8_t code) {
   return bits_as<float>(bits | sign);
 }
 
-// dst[i] = value(src[i]) * scale for one FP8 row of the cache.
-__attribute__((always_inline)) inline void fp8_row(const uint8_t* __restrict src,
-                                                   float* __restrict dst, int64_t d, float scale) {
-  for (int64_t i = 0; i < d; ++i) dst[i] = e4m3_value(src[i]) * scale;
+constexpr float kFp8Unit = 256.0f;  // an FP8 tile holds value * 2**-8 (e4m3_unit)
+
+// dst[t * d + i] = e4m3_unit(src[t * stride + i]) for t < n, i < d: n FP8 rows of a block.
+// Baseline copy: the integer decode above, vectorized by GCC.
+void fp8_rows_baseline(const uint8_t* __restrict src, int64_t stride, int64_t n, int64_t d,
+                       float* __restrict dst) {
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t i = 0; i < d; ++i) dst[t * d + i] = e4m3_unit(src[t * stride + i]);
 }
 
-// Token t of block `block`, head h, as fp32 into dst[0..d).
-__attribute__((always_inline)) inline void load_row(const Problem& p, const Cache& c,
-                                                     int64_t block, int64_t t, int64_t h,
-                                                     float* dst) {
-  const int64_t off = block * c.s_block + t * c.s_tok + h * c.s_head;
-  const int64_t d = p.d;
+// AVX copies: an e4m3 code moved into fp16's fields is the fp16 of its value * 2**-8
+// (sign to bit 15, exponent and mantissa to bits 7..13: bias 7 against fp16's 15, and a
+// subnormal code lands on the fp16 subnormal with the same mantissa), which the hardware
+// widens exactly (vcvtph2ps, subnormals included); a sign-extended code shifted left by 7
+// and masked with 0xBF80 is that fp16. Exponent and mantissa all ones become an fp16 NaN.
+// 3 integer ops and 2 conversions per 32 codes against ~12 ops per 16 in the baseline form.
+__attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma,f16c")))
+void fp8_rows_avx512(const uint8_t* __restrict src, int64_t stride, int64_t n, int64_t d,
+                     float* __restrict dst) {
+  const __m512i fields = _mm512_set1_epi16(static_cast<int16_t>(0xBF80));
+  const __m512i all_ones = _mm512_set1_epi16(0x3F80), nan = _mm512_set1_epi16(0x7E00);
+  for (int64_t t = 0; t < n; ++t) {
+    const uint8_t* s = src + t * stride;
+    float* o = dst + t * d;
+    int64_t i = 0;
+    for (; i + 32 <= d; i += 32) {
+      __m512i h = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i)));
+      h = _mm512_and_si512(_mm512_slli_epi16(h, 7), fields);
+      const __mmask32 is_nan = _mm512_cmpeq_epi16_mask(_mm512_and_si512(h, all_ones), all_ones);
+      h = _mm512_mask_mov_epi16(h, is_nan, nan);
+      _mm512_storeu_ps(o + i, _mm512_cvtph_ps(_mm512_castsi512_si256(h)));
+      _mm512_storeu_ps(o + i + 16, _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)));
+    }
+    for (; i < d; ++i) o[i] = e4m3_unit(s[i]);
+  }
+}
+
+__attribute__((target("avx2,fma,f16c")))
+void fp8_rows_avx2(const uint8_t* __restrict src, int64_t stride, int64_t n, int64_t d,
+                   float* __restrict dst) {
+  const __m256i fields = _mm256_set1_epi16(static_cast<int16_t>(0xBF80));
+  const __m256i all_ones = _mm256_set1_epi16(0x3F80), nan = _mm256_set1_epi16(0x7E00);
+  for (int64_t t = 0; t < n; ++t) {
+    const uint8_t* s = src + t * stride;
+    float* o = dst + t * d;
+    int64_t i = 0;
+    for (; i + 16 <= d; i += 16) {
+      __m256i h = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i)));
+      h = _mm256_and_si256(_mm256_slli_epi16(h, 7), fields);
+      const __m256i is_nan = _mm256_cmpeq_epi16(_mm256_and_si256(h, all_ones), all_ones);
+      h = _mm256_blendv_epi8(h, nan, is_nan);
+      _mm256_storeu_ps(o + i, _mm256_cvtph_ps(_mm256_castsi256_si128(h)));
+      _mm256_storeu_ps(o + i + 8, _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)));
+    }
+    for (; i < d; ++i) o[i] = e4m3_unit(s[i]);
+  }
+}
+
+enum class Isa { kAvx512, kAvx2, kBaseline };
+
+constexpr int kLanes = 16;  // also the keys scored together (one vector of scores)
+
+// Rows [t0, t0 + n) of `block`'s tokens for head h as an [n, d] fp32 view: the cache itself
+// for an fp32 cache, else `tile` filled with the decoded rows (FP8: value * 2**-8, unscaled;
+// the caller applies the per-token 2**e). Row stride back in *stride.
+template <Isa I>
+__attribute__((always_inline)) inline const float* chunk_rows(const Problem& p, const Cache& c,
+                                                               int64_t block, int64_t t0,
+                                                               int64_t n, int64_t h, int64_t d,
+                                                               float* tile, int64_t* stride) {
+  const int64_t off = block * c.s_block + t0 * c.s_tok + h * c.s_head;
+  *stride = d;
   switch (p.kind) {
     case CacheKind::kFp8: {
       const uint8_t* src = static_cast<const uint8_t*>(c.data) + off;
-      const float s = exp2i(c.scale[block * c.e_block + t * c.e_tok + h * c.e_head]);
-      fp8_row(src, dst, d, s);
-      break;
+      if constexpr (I == Isa::kAvx512) fp8_rows_avx512(src, c.s_tok, n, d, tile);
+      else if constexpr (I == Isa::kAvx2) fp8_rows_avx2(src, c.s_tok, n, d, tile);
+      else fp8_rows_baseline(src, c.s_tok, n, d, tile);
+      return tile;
     }
     case CacheKind::kBFloat16: {
       const c10::BFloat16* src = static_cast<const c10::BFloat16*>(c.data) + off;
-      for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<float>(src[i]);
-      break;
+      for (int64_t t = 0; t < n; ++t)
+        for (int64_t i = 0; i < d; ++i) tile[t * d + i] = static_cast<float>(src[t * c.s_tok + i]);
+      return tile;
     }
     case CacheKind::kFloat16: {
       const c10::Half* src = static_cast<const c10::Half*>(c.data) + off;
-      for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<float>(src[i]);
-      break;
+      for (int64_t t = 0; t < n; ++t)
+        for (int64_t i = 0; i < d; ++i) tile[t * d + i] = static_cast<float>(src[t * c.s_tok + i]);
+      return tile;
     }
-    default: {
-      const float* src = static_cast<const float*>(c.data) + off;
-      for (int64_t i = 0; i < d; ++i) dst[i] = src[i];
-    }
+    default:
+      *stride = c.s_tok;
+      return static_cast<const float*>(c.data) + off;
   }
 }
-
-// A [n, d] fp32 view of `block`'s tokens for head h: the cache itself for an fp32 cache,
-// else `tile` filled with the decoded rows. Row stride back in *stride.
-__attribute__((always_inline)) inline const float* block_rows(const Problem& p, const Cache& c,
-                                                               int64_t block, int64_t h,
-                                                               int64_t n, float* tile,
-                                                               int64_t* stride) {
-  if (p.kind == CacheKind::kFloat32) {
-    *stride = c.s_tok;
-    return static_cast<const float*>(c.data) + block * c.s_block + h * c.s_head;
-  }
-  for (int64_t t = 0; t < n; ++t) load_row(p, c, block, t, h, tile + t * p.d);
-  *stride = p.d;
-  return tile;
-}
-
-constexpr int kLanes = 16;
 
 // 16 floats as one vector value (GCC/Clang vector extension): one zmm in the AVX-512 copy, two
 // ymm / four xmm in the others. Loops over `float acc[16]` arrays were left half scalar by
 // GCC's vectorizer here (perf: scalar FMAs and stack round trips in the dot's sum and the V
 // accumulation were most of a decode's kernel time).
 typedef float Vec16 __attribute__((vector_size(64)));
+typedef int32_t Vec16i __attribute__((vector_size(64)));
 typedef float Vec8 __attribute__((vector_size(32)));
 typedef float Vec4 __attribute__((vector_size(16)));
 
@@ -152,7 +203,13 @@ __attribute__((always_inline)) inline void store16(float* p, Vec16 v) {
   std::memcpy(p, &v, sizeof(v));
 }
 
-// Sum of the 16 lanes by halving: 16 -> 8 -> 4 lanes as vector adds, then 4 scalars.
+__attribute__((always_inline)) inline Vec16 splat16(float x) { return Vec16{} + x; }
+
+__attribute__((always_inline)) inline Vec16 select16(Vec16i mask, Vec16 a, Vec16 b) {
+  return bits_as<Vec16>((bits_as<Vec16i>(a) & mask) | (bits_as<Vec16i>(b) & ~mask));
+}
+
+// Sum / max of the 16 lanes by halving: 16 -> 8 -> 4 lanes as vector ops, then 4 scalars.
 __attribute__((always_inline)) inline float lane_sum(Vec16 v) {
   Vec8 lo, hi;
   std::memcpy(&lo, &v, sizeof(lo));
@@ -165,120 +222,234 @@ __attribute__((always_inline)) inline float lane_sum(Vec16 v) {
   return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
 
-__attribute__((always_inline)) inline float dot(const float* a, const float* b, int64_t d) {
-  Vec16 acc = {};
-  int64_t i = 0;
-  for (; i + kLanes <= d; i += kLanes) acc += load16(a + i) * load16(b + i);
-  float s = lane_sum(acc);
-  for (; i < d; ++i) s += a[i] * b[i];
-  return s;
+__attribute__((always_inline)) inline float lane_max(Vec16 v) {
+  Vec8 lo, hi;
+  std::memcpy(&lo, &v, sizeof(lo));
+  std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof(lo), sizeof(hi));
+  const Vec8 s8 = lo > hi ? lo : hi;
+  Vec4 lo4, hi4;
+  std::memcpy(&lo4, &s8, sizeof(lo4));
+  std::memcpy(&hi4, reinterpret_cast<const char*>(&s8) + sizeof(lo4), sizeof(hi4));
+  const Vec4 s4 = lo4 > hi4 ? lo4 : hi4;
+  return std::max(std::max(s4[0], s4[2]), std::max(s4[1], s4[3]));
 }
 
-// exp(x) for x <= 0 (a score minus its row's running max), within ~2 ulp of expf, in
-// arithmetic that vectorizes (glibc's expf is a call per element): Cephes' range reduction
+// lane i of the result: a[2i] + a[2i + 1] style pair sums of two vectors (masks below).
+__attribute__((always_inline)) inline Vec16 pair_sum(Vec16 a, Vec16 b, Vec16i lo, Vec16i hi) {
+  return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, hi);
+}
+
+// part[t] are key t's 16 partial dot products -> lane t = their sum, for 16 keys at once:
+// a transpose-and-add tree (15 adds, 30 two-vector shuffles for 16 keys) instead of one
+// 16-lane reduction per key. After level 1 lane L holds a partial of part[L & 1] of its pair,
+// after level 2 of part[L & 3] of its four, ..., after level 4 the whole sum of part[L].
+__attribute__((always_inline)) inline Vec16 sum_each(Vec16* part) {
+  const Vec16i m1 = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
+  const Vec16i m2 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
+  const Vec16i m3 = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
+  const Vec16i m4 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+  for (int i = 0; i < 8; ++i) part[i] = pair_sum(part[2 * i], part[2 * i + 1], m1, m1 + 1);
+  for (int i = 0; i < 4; ++i) part[i] = pair_sum(part[2 * i], part[2 * i + 1], m2, m2 + 2);
+  for (int i = 0; i < 2; ++i) part[i] = pair_sum(part[2 * i], part[2 * i + 1], m3, m3 + 4);
+  return pair_sum(part[0], part[1], m4, m4 + 8);
+}
+
+// Lane t: q . keys[t] for t < n (0 past n), 16 columns at a time per key, one vector of
+// partial sums per key, all summed at once by sum_each.
+__attribute__((always_inline)) inline Vec16 scores(const float* __restrict q,
+                                                   const float* __restrict keys, int64_t stride,
+                                                   int64_t n, int64_t d) {
+  Vec16 part[kLanes];
+  const int64_t d16 = d - d % kLanes;
+  for (int64_t t = 0; t < kLanes; ++t) {
+    Vec16 a = {};
+    if (t < n) {
+      const float* k = keys + t * stride;
+      for (int64_t i = 0; i < d16; i += kLanes) a += load16(q + i) * load16(k + i);
+      for (int64_t i = d16; i < d; ++i) a[0] += q[i] * k[i];
+    }
+    part[t] = a;
+  }
+  return sum_each(part);
+}
+
+// exp(x) for x <= 0 (a score minus its row's running max; -inf -> 0), within ~2 ulp of expf,
+// 16 lanes at a time (glibc's expf is a call per element): Cephes' range reduction
 // x = n ln2 + r (n = x log2(e) rounded to nearest by the 1.5 * 2**23 trick, which also
-// leaves n in the low mantissa bits: GCC did not vectorize a float -> int cast here) and
-// degree-6 polynomial, 2**n from exponent bits. Below -87 the result is 0 (expf's is
-// < 2**-125, next to the row max's 1 in the sum).
-__attribute__((always_inline)) inline float exp_nonpositive(float x) {
-  const uint32_t keep = 0u - static_cast<uint32_t>(x >= -87.0f);  // a mask: no branch
-  x = std::max(x, -87.0f);
+// leaves n in the low mantissa bits) and degree-6 polynomial, 2**n from exponent bits.
+// Below -87 the result is 0 (expf's is < 2**-125, next to the row max's 1 in the sum).
+__attribute__((always_inline)) inline Vec16 exp_nonpositive(Vec16 x) {
+  const Vec16i keep = x >= -87.0f;  // lanes of all ones / zeros: no branch
+  x = select16(keep, x, splat16(-87.0f));
   constexpr float kShift = 0x1.8p23f;
-  const float shifted = x * 1.44269504088896341f + kShift;
-  const float n = shifted - kShift;
-  float r = x - n * 0.693359375f;
+  const Vec16 shifted = x * 1.44269504088896341f + kShift;
+  const Vec16 n = shifted - kShift;
+  Vec16 r = x - n * 0.693359375f;
   r = r + n * 2.12194440e-4f;
-  float y = 1.9875691500e-4f;
+  Vec16 y = splat16(1.9875691500e-4f);
   y = y * r + 1.3981999507e-3f;
   y = y * r + 8.3334519073e-3f;
   y = y * r + 4.1665795894e-2f;
   y = y * r + 1.6666665459e-1f;
   y = y * r + 5.0000001201e-1f;
   y = y * r * r + r + 1.0f;
-  const int32_t n_int = bits_as<int32_t>(shifted) - bits_as<int32_t>(kShift);
-  const uint32_t scale = static_cast<uint32_t>(n_int + 127) << 23;
-  return bits_as<float>(bits_as<uint32_t>(y * bits_as<float>(scale)) & keep);
+  const Vec16i n_int = bits_as<Vec16i>(shifted) - bits_as<int32_t>(kShift);
+  const Vec16 scale = bits_as<Vec16>((n_int + 127) << 23);
+  return bits_as<Vec16>(bits_as<Vec16i>(y * scale) & keep);
 }
 
-// pr[t] = exp(pr[t] - m) for t < n -> their sum.
-__attribute__((always_inline)) inline float softmax_numerators(float* __restrict pr, int64_t n,
-                                                               float m) {
-  for (int64_t t = 0; t < n; ++t) pr[t] = exp_nonpositive(pr[t] - m);
-  float sum = 0.0f;
-  for (int64_t t = 0; t < n; ++t) sum += pr[t];
-  return sum;
+__attribute__((always_inline)) inline float exp_nonpositive(float x) {
+  return exp_nonpositive(splat16(x))[0];
 }
 
-// acc[0..d) += sum over t < n of w[t] * v[t * stride + i], 16 columns at a time so the
-// partial sums stay in a register across the block's keys.
-__attribute__((always_inline)) inline void weighted_rows(float* __restrict acc,
-                                                         const float* __restrict w,
+// For each of R rows r: acc[r][0..d) += sum over t < n of w[r][t] * v[t * stride + i]. 64
+// columns of R rows at a time, keys outer: 4R independent accumulators (one chain of 16
+// dependent FMAs per column vector was latency-bound, ~4 cycles an FMA), each V vector
+// loaded once for the R rows.
+template <int R>
+__attribute__((always_inline)) inline void weighted_rows(float* const* acc,
+                                                         const float* const* w,
                                                          const float* __restrict v,
                                                          int64_t n, int64_t stride, int64_t d) {
+  constexpr int kCols = 4;  // vectors of 16 columns per pass
   int64_t i = 0;
-  for (; i + kLanes <= d; i += kLanes) {
-    Vec16 a = load16(acc + i);
-    for (int64_t t = 0; t < n; ++t) a += w[t] * load16(v + t * stride + i);
-    store16(acc + i, a);
+  for (; i + kCols * kLanes <= d; i += kCols * kLanes) {
+    Vec16 a[R][kCols];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < kCols; ++c) a[r][c] = load16(acc[r] + i + c * kLanes);
+    for (int64_t t = 0; t < n; ++t) {
+      const float* vt = v + t * stride + i;
+      for (int c = 0; c < kCols; ++c) {
+        const Vec16 x = load16(vt + c * kLanes);
+        for (int r = 0; r < R; ++r) a[r][c] += w[r][t] * x;
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < kCols; ++c) store16(acc[r] + i + c * kLanes, a[r][c]);
   }
+  for (; i + kLanes <= d; i += kLanes)
+    for (int r = 0; r < R; ++r) {
+      Vec16 a = load16(acc[r] + i);
+      for (int64_t t = 0; t < n; ++t) a += w[r][t] * load16(v + t * stride + i);
+      store16(acc[r] + i, a);
+    }
   for (; i < d; ++i)
-    for (int64_t t = 0; t < n; ++t) acc[i] += w[t] * v[t * stride + i];
+    for (int r = 0; r < R; ++r)
+      for (int64_t t = 0; t < n; ++t) acc[r][i] += w[r][t] * v[t * stride + i];
+}
+
+// Lane t < n: 2**e of token t0 + t's FP8 scale (1 elsewhere and for other caches).
+__attribute__((always_inline)) inline Vec16 token_scales(const Problem& p, const Cache& c,
+                                                         int64_t block, int64_t t0, int64_t n,
+                                                         int64_t h) {
+  Vec16 s = splat16(1.0f);
+  if (p.kind != CacheKind::kFp8) return s;
+  const int8_t* e = c.scale + block * c.e_block + t0 * c.e_tok + h * c.e_head;
+  for (int64_t t = 0; t < n; ++t) s[t] = exp2i(e[t * c.e_tok]);
+  return s;
+}
+
+// Asks for the cache lines of tokens [0, n) of `block`, head h (K or V rows and FP8 scales)
+// ahead of use: blocks sit anywhere in the cache (the table is not in order), so the
+// hardware prefetcher cannot guess the next one; perf put the first loads of each block
+// (cache misses) at a third of the FP8 decode's time.
+__attribute__((always_inline)) inline void prefetch_rows(const Problem& p, const Cache& c,
+                                                         int64_t block, int64_t n, int64_t h) {
+  const int64_t elem = p.kind == CacheKind::kFloat32 ? 4 : p.kind == CacheKind::kFp8 ? 1 : 2;
+  const char* base = static_cast<const char*>(c.data) + (block * c.s_block + h * c.s_head) * elem;
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t at = 0; at < p.d * elem; at += 64) __builtin_prefetch(base + t * c.s_tok * elem + at);
+  if (p.kind == CacheKind::kFp8)
+    for (int64_t t = 0; t < n; t += 16) __builtin_prefetch(c.scale + block * c.e_block + t * c.e_tok + h * c.e_head);
 }
 
 // One (sequence, KV head): every query row of the sequence times the G heads of the group.
-// Inlined into one copy per instruction set below.
+// Keys go in chunks of up to 16 of one block: each chunk's K and V decoded once into fp32
+// tiles, then per query row one vector of 16 scores (no per-key horizontal sum), its softmax
+// update with one vector exp, and the P.V accumulation. Inlined into one copy per
+// instruction set below.
+template <Isa I, int kD>
 __attribute__((always_inline)) inline void attend(const Problem& p, int64_t b, int64_t h,
                                                   std::vector<float>& scratch) {
-  const int64_t g = p.hq / p.hkv, d = p.d, bs = p.block_size;
+  // kD: the head dim as a constant (64, 128: loops over D unroll and the 16 keys' dot
+  // products interleave), 0 for any other.
+  const int64_t g = p.hq / p.hkv, d = kD ? kD : p.d, bs = p.block_size;
   const int64_t len = p.seq_lens[b];
   const int64_t q0 = p.query_start ? p.query_start[b] : b;
   const int64_t n_new = p.query_start ? p.query_start[b + 1] - q0 : 1;
   const int64_t rows = n_new * g;  // row r: query token r / g, head h * g + r % g
-  scratch.resize(static_cast<size_t>(rows * (d + bs + 2) + 2 * bs * d));
+  scratch.resize(static_cast<size_t>(rows * (d + kLanes + 2) + 2 * kLanes * d));
   float* acc = scratch.data();  // [rows, d]
-  float* prob = acc + rows * d;  // [rows, bs]
-  float* row_max = prob + rows * bs;  // [rows]
+  float* weight = acc + rows * d;  // [rows, 16]: this chunk's P times V's 2**e
+  float* row_max = weight + rows * kLanes;  // [rows]
   float* row_sum = row_max + rows;  // [rows]
-  float* k_tile = row_sum + rows;  // [bs, d]
-  float* v_tile = k_tile + bs * d;  // [bs, d]
+  float* k_tile = row_sum + rows;  // [16, d]
+  float* v_tile = k_tile + kLanes * d;  // [16, d]
   std::fill(acc, acc + rows * d, 0.0f);
   std::fill(row_max, row_max + rows, -std::numeric_limits<float>::infinity());
   std::fill(row_sum, row_sum + rows, 0.0f);
+  const bool fp8 = p.kind == CacheKind::kFp8;
+  const float unit = fp8 ? kFp8Unit : 1.0f;  // undoes the FP8 tiles' 2**-8
+  const Vec16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   const int32_t* table = p.block_tables + b * p.max_blocks;
   for (int64_t start = 0; start < len; start += bs) {
     const int64_t block = table[start / bs];
-    const int64_t n = std::min(bs, len - start);
-    int64_t ks, vs;
-    const float* keys = block_rows(p, p.k, block, h, n, k_tile, &ks);
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t j = r / g;
-      const float* q = p.q + (q0 + j) * p.q_tok + (h * g + r % g) * p.q_head;
-      // Keys past this row's position are masked (causal within the new tokens).
-      const int64_t seen = std::min(n, len - n_new + j + 1 - start);
-      float* pr = prob + r * bs;
-      float m = row_max[r];
-      for (int64_t t = 0; t < seen; ++t) {
-        pr[t] = dot(q, keys + t * ks, d) * p.sm_scale;
-        m = std::max(m, pr[t]);
-      }
-      if (seen <= 0) {
-        for (int64_t t = 0; t < n; ++t) pr[t] = 0.0f;
-        continue;
-      }
-      const float correction = std::exp(row_max[r] - m);  // 0 at the first block (-inf)
-      const float sum = softmax_numerators(pr, seen, m);
-      for (int64_t t = seen; t < n; ++t) pr[t] = 0.0f;
-      row_sum[r] = row_sum[r] * correction + sum;
-      row_max[r] = m;
-      float* a = acc + r * d;
-      for (int64_t i = 0; i < d; ++i) a[i] *= correction;
+    const int64_t in_block = std::min(bs, len - start);
+    if (start + bs < len) {
+      const int64_t next = table[start / bs + 1], n_next = std::min(bs, len - start - bs);
+      prefetch_rows(p, p.k, next, n_next, h);
+      prefetch_rows(p, p.v, next, n_next, h);
     }
-    const float* values = block_rows(p, p.v, block, h, n, v_tile, &vs);
-    for (int64_t r = 0; r < rows; ++r) weighted_rows(acc + r * d, prob + r * bs, values, n, vs, d);
+    for (int64_t c0 = 0; c0 < in_block; c0 += kLanes) {
+      const int64_t n = std::min<int64_t>(kLanes, in_block - c0), first = start + c0;
+      int64_t ks, vs;
+      const float* keys = chunk_rows<I>(p, p.k, block, c0, n, h, d, k_tile, &ks);
+      // (raw * 256) * 2**e * sm_scale: the reference's (q . (value * 2**e)) * sm_scale,
+      // each factor a power of two but the last.
+      const Vec16 k_mul = token_scales(p, p.k, block, c0, n, h);
+      const Vec16 v_mul = token_scales(p, p.v, block, c0, n, h);
+      int64_t last_seen = 0;  // keys of the chunk that some row sees
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t j = r / g;
+        // Keys past this row's position are masked (causal within the new tokens).
+        const int64_t seen = std::min(n, len - n_new + j + 1 - first);
+        float* w = weight + r * kLanes;
+        if (seen <= 0) {
+          store16(w, Vec16{});
+          continue;
+        }
+        last_seen = std::max(last_seen, seen);
+        const float* q = p.q + (q0 + j) * p.q_tok + (h * g + r % g) * p.q_head;
+        Vec16 s = scores(q, keys, ks, n, d) * unit * k_mul * p.sm_scale;
+        s = select16(lane < static_cast<int32_t>(seen), s,
+                     splat16(-std::numeric_limits<float>::infinity()));
+        const float m = std::max(row_max[r], lane_max(s));
+        const Vec16 pr = exp_nonpositive(s - m);
+        const float correction = exp_nonpositive(row_max[r] - m);  // 0 at the first chunk
+        row_sum[r] = row_sum[r] * correction + lane_sum(pr);
+        row_max[r] = m;
+        store16(w, pr * v_mul);
+        float* a = acc + r * d;
+        for (int64_t i = 0; i < d; ++i) a[i] *= correction;
+      }
+      if (last_seen == 0) continue;
+      const float* values = chunk_rows<I>(p, p.v, block, c0, last_seen, h, d, v_tile, &vs);
+      int64_t r = 0;
+      for (; r + 2 <= rows; r += 2) {
+        float* const a[2] = {acc + r * d, acc + (r + 1) * d};
+        const float* const w[2] = {weight + r * kLanes, weight + (r + 1) * kLanes};
+        weighted_rows<2>(a, w, values, last_seen, vs, d);
+      }
+      if (r < rows) {
+        float* const a[1] = {acc + r * d};
+        const float* const w[1] = {weight + r * kLanes};
+        weighted_rows<1>(a, w, values, last_seen, vs, d);
+      }
+    }
   }
   for (int64_t r = 0; r < rows; ++r) {
     float* o = p.out + ((q0 + r / g) * p.hq + h * g + r % g) * d;
-    const float inv = 1.0f / row_sum[r];
+    const float inv = unit / row_sum[r];  // unit: the FP8 V tiles' 2**-8
     for (int64_t i = 0; i < d; ++i) o[i] = acc[r * d + i] * inv;
   }
 }
@@ -286,28 +457,41 @@ __attribute__((always_inline)) inline void attend(const Problem& p, int64_t b, i
 // The same code compiled for three instruction sets, picked at run time by what the CPU
 // supports (target_clones' "arch=" clones dispatch on the CPU model, not its features, and
 // picked the baseline on a Sapphire Rapids).
+template <Isa I>
+__attribute__((always_inline)) inline void attend_any_d(const Problem& p, int64_t b, int64_t h,
+                                                        std::vector<float>& scratch) {
+  if (p.d == 64) return attend<I, 64>(p, b, h, scratch);
+  if (p.d == 128) return attend<I, 128>(p, b, h, scratch);
+  attend<I, 0>(p, b, h, scratch);
+}
+
 __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma,f16c")))
 void attend_avx512(const Problem& p, int64_t b, int64_t h, std::vector<float>& scratch) {
-  attend(p, b, h, scratch);
+  attend_any_d<Isa::kAvx512>(p, b, h, scratch);
 }
 
 __attribute__((target("avx2,fma,f16c")))
 void attend_avx2(const Problem& p, int64_t b, int64_t h, std::vector<float>& scratch) {
-  attend(p, b, h, scratch);
+  attend_any_d<Isa::kAvx2>(p, b, h, scratch);
 }
 
 void attend_baseline(const Problem& p, int64_t b, int64_t h, std::vector<float>& scratch) {
-  attend(p, b, h, scratch);
+  attend_any_d<Isa::kBaseline>(p, b, h, scratch);
 }
 
 using AttendFn = void (*)(const Problem&, int64_t, int64_t, std::vector<float>&);
 
+// SLIMSERVE_CPU_ISA=avx2 | baseline caps the pick (tests run each copy on one machine).
 AttendFn pick_attend() {
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
-      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq"))
-    return attend_avx512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return attend_avx2;
+  const char* cap = std::getenv("SLIMSERVE_CPU_ISA");
+  const std::string want = cap ? cap : "";
+  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+                      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq");
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                    __builtin_cpu_supports("f16c");
+  if (avx512 && want != "avx2" && want != "baseline") return attend_avx512;
+  if (avx2 && want != "baseline") return attend_avx2;
   return attend_baseline;
 }
 
