@@ -33,9 +33,12 @@ class PartialRotaryEmbedding(nn.Module):
         assert self.rot_dim % 2 == 0 and 0 < self.rot_dim <= head_dim, "bad partial rotary"
         self.rotary = RotaryEmbedding(self.rot_dim, max_pos, theta, scaling)
 
-    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor, inplace: bool = False):
+        """inplace: as RotaryEmbedding.rotate (x may be overwritten; then no copy of the rest)."""
         r = self.rot_dim
-        return torch.cat((self.rotary.rotate(positions, x[..., :r]), x[..., r:]), -1)
+        head = x[..., :r]
+        rotated = self.rotary.rotate(positions, head, inplace)
+        return x if rotated is head else torch.cat((rotated, x[..., r:]), -1)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         return self.rotate(positions, q), self.rotate(positions, k)

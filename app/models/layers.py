@@ -12,6 +12,7 @@ from torch import nn
 
 from app.models.parallel import SINGLE, TPContext
 from app.models.parallel_load import materialize
+from slimserve_kernels import cpu_fused
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -167,13 +168,30 @@ class RMSNorm(nn.Module):
         self.weight = _param(dim)
         self.weight.weight_loader = lambda p, w, s=None: _copy_into(p, w)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim]
+        if x.dim() in (2, 3) and x.stride(-1) == 1 and cpu_fused.takes(x, self.weight):
+            return cpu_fused.rms_norm(x, self.weight, self.eps)  # F.rms_norm's bits, one call
         if x.dtype == torch.float32:  # one op; bitwise the written-out form below in float32
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype  # narrower: normalize in float32, scale after the cast (as HF does)
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor):
+        """residual += x in place (the caller owns residual; x is only read), then
+        -> (norm(residual), residual): the decoder's residual add and the next norm, one C++
+        call on float32 CPU (vLLM's fused_add_rms_norm); same values as add, then norm."""
+        if (
+            x.dim() == 2
+            and x.stride(-1) == 1
+            and residual.is_contiguous()
+            and x.shape == residual.shape
+            and cpu_fused.takes(x, residual, self.weight)
+        ):
+            return cpu_fused.add_rms_norm(x, residual, self.weight, self.eps), residual
+        residual.add_(x)
+        return self(residual), residual
 
 
 def column_major_linears(model: nn.Module) -> int:

@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from app.config import ModelConfig
+from app.models.activation import silu_and_mul
 from app.models.hooks import ModelHooks
 from app.models.layers import (
     MergedColumnParallelLinear,
@@ -54,12 +54,15 @@ class LlamaAttention(nn.Module):
         t, d, hq, hkv = x.shape[0], self.head_dim, self.n_heads, self.n_kv
         qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) D]
         v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
+        # qkv and the q/k norms' outputs are this call's own: rotated in place where the
+        # C++ kernel takes them (float32 CPU), else into new tensors.
         if self.q_norm is None:  # q and k side by side: one rotation for both
-            qk = self.rotary.rotate(positions, qkv[:, : (hq + hkv) * d].view(t, hq + hkv, d))
-            q, k = qk.split([hq, hkv], 1)
+            qk = qkv[:, : (hq + hkv) * d].view(t, hq + hkv, d)
+            q, k = self.rotary.rotate(positions, qk, inplace=True).split([hq, hkv], 1)
         else:
             q, k = qkv[:, : hq * d].view(t, hq, d), qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d)
-            q, k = self.rotary(positions, self.q_norm(q), self.k_norm(k))
+            q = self.rotary.rotate(positions, self.q_norm(q), inplace=True)
+            k = self.rotary.rotate(positions, self.k_norm(k), inplace=True)
         o = attn(self.layer, q, k, v)  # [T, Hq, D]
         return self.o_proj(o.reshape(t, hq * d))
 
@@ -71,12 +74,37 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [i, i], tp=tp)
         self.down_proj = RowParallelLinear(i, cfg.hidden_size, tp=tp)
 
-    def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x):  # [T, hidden] -> [T, hidden]
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
-class LlamaDecoderLayer(nn.Module):
+class PreNormDecoderLayer(nn.Module):
+    """x -> h = x + attn(norm1(x)) -> h + mlp(norm2(h)); subclasses set self_attn, mlp,
+    input_layernorm and post_attention_layernorm.
+
+    The stack carries the residual stream beside each block's output, as vLLM does, so each
+    residual add happens inside the next norm (`RMSNorm.add_norm`: one C++ call on float32
+    CPU instead of an add and a norm). Same values as the written-out form."""
+
+    def forward(self, positions, x, attn):
+        """One layer on its own (an MTP draft layer): x [T, hidden] -> [T, hidden]."""
+        out, residual = self.forward_residual(positions, x, None, attn)
+        return residual + out
+
+    def forward_residual(self, positions, hidden, residual, attn):
+        """(hidden, residual) -> (mlp output, residual); the layer's output is their sum.
+        residual None: hidden is the layer's input itself (the first layer), left unchanged.
+        A given residual is updated in place (it is the stack's own)."""
+        if residual is None:
+            residual, h = hidden.clone(), self.input_layernorm(hidden)
+        else:
+            h, residual = self.input_layernorm.add_norm(hidden, residual)
+        h = self.self_attn(positions, h, attn)
+        h, residual = self.post_attention_layernorm.add_norm(h, residual)
+        return self.mlp(h), residual
+
+
+class LlamaDecoderLayer(PreNormDecoderLayer):
     def __init__(self, cfg: ModelConfig, layer: int, tp: TPContext, rotary: RotaryEmbedding):
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer, tp, rotary)
@@ -84,23 +112,20 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions, x, attn):
-        x = x + self.self_attn(positions, self.input_layernorm(x), attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
 
 class DecoderStack(nn.Module):
-    """Embedding -> decoder layers -> final norm; subclasses build the three parts."""
+    """Embedding -> decoder layers (PreNormDecoderLayer) -> final norm; subclasses build the
+    three parts."""
 
     embed_tokens: nn.Module
     layers: nn.ModuleList
-    norm: nn.Module
+    norm: RMSNorm
 
-    def forward(self, ids, positions, attn):
-        x = self.embed_tokens(ids)
+    def forward(self, ids, positions, attn):  # ids, positions [T] -> [T, hidden]
+        x, residual = self.embed_tokens(ids), None
         for layer in self.layers:
-            x = layer(positions, x, attn)
-        return self.norm(x)
+            x, residual = layer.forward_residual(positions, x, residual, attn)
+        return self.norm(x) if residual is None else self.norm.add_norm(x, residual)[0]
 
 
 class LlamaModel(DecoderStack):

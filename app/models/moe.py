@@ -27,6 +27,7 @@ from torch import nn
 
 import slimserve_kernels
 from app.config import ModelConfig
+from app.models.activation import silu_and_mul
 from app.models.hooks import ModelHooks
 from app.models.layers import (
     MergedColumnParallelLinear,
@@ -35,7 +36,7 @@ from app.models.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from app.models.llama import DecoderStack
+from app.models.llama import DecoderStack, PreNormDecoderLayer
 from app.models.moe_fused import stack_experts
 from app.models.mtp import MTPFrontEnd, MTPHead
 from app.models.parallel import SINGLE, TPContext
@@ -53,8 +54,7 @@ class GatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate, hidden, tp=tp, reduce_results=reduce)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 def select_experts(
@@ -199,7 +199,7 @@ class MoE(nn.Module):
         return torch.zeros_like(x).index_add_(0, token, ys)
 
 
-class MoEDecoderLayer(nn.Module):
+class MoEDecoderLayer(PreNormDecoderLayer):
     """Pre-norm block; the first `first_k_dense_replace` layers have a dense MLP."""
 
     def __init__(self, cfg: ModelConfig, layer: int, tp: TPContext, attention: nn.Module):
@@ -211,10 +211,6 @@ class MoEDecoderLayer(nn.Module):
             self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, positions, x, attn):
-        x = x + self.self_attn(positions, self.input_layernorm(x), attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class MTPLayer(MTPFrontEnd, MoEDecoderLayer):

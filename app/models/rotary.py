@@ -1,4 +1,7 @@
-"""Rotary position embedding (rotate-half convention, as Hugging Face Llama)."""
+"""Rotary position embedding (rotate-half convention, as Hugging Face Llama).
+
+Llama, Qwen2/3, Mistral and GLM-4.5 (on the first rot_dim dims) use it; DeepSeek-V3 / Kimi
+K2's MLA has its own (`mla_rope.py`, interleaved pairs by default), which keeps torch."""
 
 from __future__ import annotations
 
@@ -7,6 +10,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from slimserve_kernels import cpu_fused
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
@@ -62,12 +67,29 @@ class RotaryEmbedding(nn.Module):
             rows = self._rows = (positions, cos, self.sin.index_select(0, positions).unsqueeze(1))
         return rows[1], rows[2]
 
-    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """x [T, H, D] (any heads: q, k, or both side by side) -> rotated, x's dtype."""
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor, inplace: bool = False):
+        """x [T, H, D] (any heads: q, k, or both side by side) -> rotated, x's dtype.
+
+        inplace: x is the caller's own scratch (a view of a fresh projection), which may be
+        overwritten: the C++ kernel (float32 CPU) then rotates it where it lies, reading the
+        table rows by position (no gather), and the result is x itself."""
+        if inplace and self._in_place(positions, x):
+            cpu_fused.rotary_(x, positions, self.cos, self.sin)
+            return x
         cos, sin = self.tables(positions)
         xf = x if x.dtype == torch.float32 else x.float()  # a no-op .float() still dispatches
         out = xf * cos + rotate_half(xf) * sin
         return out if out.dtype == x.dtype else out.to(x.dtype)
+
+    def _in_place(self, positions: torch.Tensor, x: torch.Tensor) -> bool:
+        return (
+            x.dim() == 3
+            and x.stride(-1) == 1
+            and x.shape[-1] == self.cos.shape[-1]
+            and positions.dtype == torch.long
+            and positions.is_contiguous()
+            and cpu_fused.takes(x, self.cos)
+        )
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         return self.rotate(positions, q), self.rotate(positions, k)
