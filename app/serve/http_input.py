@@ -11,6 +11,7 @@ Every malformed body becomes a 4xx `APIError` naming the problem, never a 500:
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -20,6 +21,11 @@ from pydantic import ValidationError
 from app.serve.openai_protocol import APIError
 
 MAX_JSON_DEPTH = 64  # OpenAI bodies nest ~6 deep; JSON schemas in tools and formats more
+# Bodies up to this size are parsed on the event loop (tens of us). A worker-thread round
+# trip puts the request back at the end of the loop's ready queue, behind every stream's
+# token events: at 8 streams that wait was ~4 ms of a request's path (docs/performance.md,
+# "Served TTFT: where it goes").
+INLINE_BODY_BYTES = 16 << 10
 
 
 async def read_limited(
@@ -43,6 +49,14 @@ def _too_large(limit: int) -> APIError:
         f"the request body is larger than {limit} bytes (max_request_bytes)",
         code="request_too_large",
     )
+
+
+async def parse_request(raw: bytes, model_cls):
+    """`parse_body`, off the event loop when the body is large (megabytes of JSON take a
+    while to parse and validate)."""
+    if len(raw) <= INLINE_BODY_BYTES:
+        return parse_body(raw, model_cls)
+    return await asyncio.to_thread(parse_body, raw, model_cls)
 
 
 def parse_body(raw: bytes, model_cls):

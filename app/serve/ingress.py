@@ -1,7 +1,6 @@
 """Ingress: the OpenAI-compatible HTTP API; tokenizes, validates and drives the replicas."""
 # No `from __future__ import annotations`: FastAPI must see the real Request annotation.
 
-import asyncio
 import logging
 import os
 from typing import Any
@@ -19,7 +18,7 @@ from app.serve.config import ServeArgs
 from app.serve.delta_inbox import DeltaInbox
 from app.serve.driver import RequestDriver
 from app.serve.grpc_servicer import GrpcIngress
-from app.serve.http_input import parse_body, read_limited
+from app.serve.http_input import parse_request, read_limited
 from app.serve.metrics import ReplicaMetrics
 from app.serve.normalize import RequestNormalizer
 from app.serve.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest
@@ -126,5 +125,4 @@ class Ingress(GrpcIngress):  # gRPC adapter: app/serve/grpc_servicer.py
     async def _parse(self, http: HTTPRequest, model_cls):
         limit = self.args.max_request_bytes
         raw = await read_limited(http.stream(), http.headers.get("content-length"), limit)
-        # Off the event loop: parsing megabytes of JSON takes a while.
-        return await asyncio.to_thread(parse_body, raw, model_cls)
+        return await parse_request(raw, model_cls)

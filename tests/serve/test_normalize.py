@@ -6,7 +6,7 @@ import threading
 import pytest
 
 from app.serve.config import ServeArgs
-from app.serve.normalize import EngineInfo, RequestNormalizer
+from app.serve.normalize import INLINE_PROMPT_CHARS, EngineInfo, RequestNormalizer
 from app.serve.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest
 from app.tokenizer import Tokenizer
 
@@ -115,7 +115,7 @@ class BlockingTokenizer:
 
 
 def test_tokenization_runs_off_the_event_loop():
-    """While a prompt is being tokenized, the loop still runs other work (e.g. /health).
+    """While a long prompt is being tokenized, the loop still runs other work (e.g. /health).
 
     Seen failing: with `_tokens` called directly in `prompt()` (no to_thread), encode()
     blocked the loop, nothing could release it, and it raised TimeoutError after 5 s.
@@ -125,7 +125,8 @@ def test_tokenization_runs_off_the_event_loop():
 
     async def main() -> int:
         ticks = 0
-        task = asyncio.create_task(n.normalize(CompletionRequest(model="tiny", prompt="x"), {}))
+        long = CompletionRequest(model="tiny", prompt="x" * (INLINE_PROMPT_CHARS + 1))
+        task = asyncio.create_task(n.normalize(long, {}))
         while not tok.entered.is_set():
             await asyncio.sleep(0.01)
         for _ in range(3):  # the loop is free while encode() is blocked
@@ -136,3 +137,53 @@ def test_tokenization_runs_off_the_event_loop():
         return ticks
 
     assert run(main()) == 3
+
+
+class ThreadRecordingTokenizer:
+    """Records the thread each encode ran on."""
+
+    def __init__(self):
+        self.threads: list[int] = []
+
+    def encode(self, text: str) -> list[int]:
+        self.threads.append(threading.get_ident())
+        return [5] * 3
+
+    def encode_chat(self, conversation, tools) -> list[int]:
+        return self.encode("")
+
+
+def test_short_prompts_are_tokenized_on_the_event_loop():
+    """A thread round trip sends the request to the back of the loop's queue (~4 ms at 8
+    streams, docs/performance.md), so short texts are tokenized on the loop; longer ones,
+    and chats with tools, in a worker thread.
+
+    Seen failing: with the size check inverted, the short prompt ran in a worker thread.
+    """
+    tok = ThreadRecordingTokenizer()
+    n = normalizer(tok)
+    short = "x" * INLINE_PROMPT_CHARS
+    bodies = [
+        (CompletionRequest(model="tiny", prompt=short), True),
+        (CompletionRequest(model="tiny", prompt=[short]), True),
+        (ChatCompletionRequest(model="tiny", messages=[{"role": "user", "content": "hi"}]), True),
+        (CompletionRequest(model="tiny", prompt=short + "x"), False),
+        (
+            ChatCompletionRequest(
+                model="tiny",
+                messages=[{"role": "user", "content": "hi"}],
+                tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+            ),
+            False,
+        ),
+    ]
+
+    async def main() -> list[bool]:
+        loop_thread = threading.get_ident()
+        on_loop = []
+        for body, _ in bodies:
+            await n.normalize(body, {})
+            on_loop.append(tok.threads[-1] == loop_thread)
+        return on_loop
+
+    assert run(main()) == [inline for _, inline in bodies]
