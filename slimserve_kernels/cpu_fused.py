@@ -49,7 +49,7 @@ def available() -> bool:
 def takes(*tensors: torch.Tensor) -> bool:
     """Whether the C++ ops take these tensors: all float32 on the CPU, and `available()`."""
     for t in tensors:
-        if t.dtype != torch.float32 or t.device.type != "cpu":
+        if t.dtype != torch.float32 or not t.is_cpu:  # is_cpu: no device object per call
             return False
     return available()
 

@@ -96,7 +96,8 @@ class PreNormDecoderLayer(nn.Module):
         residual None: hidden is the layer's input itself (the first layer), left unchanged.
         A given residual is updated in place (it is the stack's own)."""
         if residual is None:
-            residual, h = hidden.clone(), self.input_layernorm(hidden)
+            residual = hidden.clone(memory_format=torch.contiguous_format)
+            h = self.input_layernorm(hidden)
         else:
             h, residual = self.input_layernorm.add_norm(hidden, residual)
         h = self.self_attn(positions, h, attn)
