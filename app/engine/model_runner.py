@@ -16,7 +16,7 @@ from app.engine.cuda_graphs import DecodeGraphs, bucket_sizes
 from app.engine.kv_cache import KVCache
 from app.engine.step import StepOutput, StepPlan
 from app.models.hooks import attn_scale
-from app.models.layers import column_major_linears
+from app.models.layers import column_major_linears, pack_cpu_linears
 
 
 @dataclass(slots=True)
@@ -39,6 +39,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None  # decode replays (enable_graphs)
         if torch.device(device).type == "cpu":  # faster GEMMs there (column_major_linears)
             column_major_linears(model)
+            pack_cpu_linears(model)  # the C++ float32 linear's weight panels (if built)
 
     def enable_graphs(self, max_batch: int, max_len: int, vocab: int, capture=None) -> None:
         """Captures one decode graph per batch bucket up to max_batch (app/engine/cuda_graphs.py).

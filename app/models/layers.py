@@ -12,11 +12,24 @@ from torch import nn
 
 from app.models.parallel import SINGLE, TPContext
 from app.models.parallel_load import materialize
-from slimserve_kernels import cpu_fused
+from slimserve_kernels import cpu_fused, cpu_linear
 
 
 def _param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+def _linear(
+    x: torch.Tensor,  # [..., in]
+    weight: torch.Tensor,  # [out, in]
+    packed: torch.Tensor | None,  # weight as the CPU kernel's panels, or None
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """x W^T (+ b): the C++ CPU kernel over `packed` when there are panels and the kernels
+    are on (read per call, so SLIMSERVE_CPU_KERNELS=0 falls back at once), else F.linear."""
+    if packed is not None and cpu_linear.enabled():
+        return cpu_linear.linear(x, packed, weight.shape[0], bias)
+    return F.linear(x, weight, bias)
 
 
 def _copy_into(param: torch.Tensor, loaded) -> None:
@@ -38,12 +51,13 @@ class LinearBase(nn.Module):
         self.bias = _param(out_features) if bias else None
         if bias:
             self.bias.weight_loader = self.weight_loader
+        self.packed: torch.Tensor | None = None  # CPU kernel panels of weight (pack_cpu_linears)
 
     def weight_loader(self, param, loaded, shard_id=None):
         _copy_into(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return _linear(x, self.weight, self.packed, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -121,7 +135,7 @@ class RowParallelLinear(LinearBase):
         _copy_into(param, loaded.narrow(1, self.tp.rank * n, n))
 
     def forward(self, x):
-        y = F.linear(x, self.weight)
+        y = _linear(x, self.weight, self.packed, None)
         y = self.tp.all_reduce(y) if self.reduce_results else y
         return y + self.bias if self.bias is not None else y
 
@@ -156,8 +170,10 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Vocab-sharded output projection; logits gathered to full vocab: [N, V] float32."""
 
+    packed: torch.Tensor | None = None  # CPU kernel panels of weight (pack_cpu_linears)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight).float()
+        logits = _linear(hidden, self.weight, self.packed, None).float()
         return self.tp.all_gather_last(logits)[..., : self.vocab]
 
 
@@ -212,3 +228,23 @@ def column_major_linears(model: nn.Module) -> int:
             w.data = w.data.t().contiguous().t()
             moved += 1
     return moved
+
+
+def pack_cpu_linears(model: nn.Module) -> int:
+    """Gives every dense float32 CPU linear (and LM head) the C++ kernel's weight panels
+    (slimserve_kernels/cpu_linear.py), so its forward runs the kernel. Returns how many.
+
+    The panels are a copy beside `weight` (one more float32 copy of these weights): the
+    Parameter stays as it was for the loaders, tensor parallelism, tied embedding tables and
+    F.linear when the kernels are switched off. A no-op when the kernel is not available
+    (off, not built) or for other dtypes / devices."""
+    if not cpu_linear.available():
+        return 0
+    packed = 0
+    for m in model.modules():
+        w = getattr(m, "weight", None) if isinstance(m, (LinearBase, ParallelLMHead)) else None
+        if w is None or w.dtype != torch.float32 or w.dim() != 2 or w.device.type != "cpu":
+            continue
+        m.packed = cpu_linear.pack(w.detach())
+        packed += 1
+    return packed

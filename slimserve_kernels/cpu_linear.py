@@ -1,0 +1,82 @@
+"""The C++ CPU float32 linear (`csrc/linear_cpu.cpp`), built just in time (`cpu_build.py`:
+once per source and torch version, AVX-512 / AVX2 / baseline copies picked at run time).
+
+`pack(W)` lays a weight [N, K] out once as panels [ceil(N / 32), K, 32] (32 output columns
+contiguous per k, the tail zero-padded); `linear(x, packed, n, bias)` runs a register-blocked
+micro-kernel (up to 8 rows x 32 columns of accumulators) over them, at any M, K, N.
+Each output is one FMA chain over k in order, whatever M or the thread count: a row's result
+does not depend on its batch (batch-invariant; aten's GEMM is not).
+
+`available()` is False, logging why once, when the kernels are off (`SLIMSERVE_CPU_KERNELS=0`,
+read on every call so a test can switch it) or the build failed (no compiler, not x86-64);
+callers then keep F.linear.
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import cache
+from types import ModuleType
+
+import torch
+
+from slimserve_kernels import cpu_build
+
+log = logging.getLogger(__name__)
+
+ENV = cpu_build.ENV
+WHAT = "CPU linear"
+PANEL = 32  # output columns per panel (kPanel in the source)
+
+
+def enabled() -> bool:
+    """False when SLIMSERVE_CPU_KERNELS is 0 / false / off."""
+    return cpu_build.enabled()
+
+
+def available() -> bool:
+    """Whether the kernel can run: on, and built (the first call builds)."""
+    if not enabled():
+        _log_off()
+        return False
+    return load() is not None
+
+
+@cache
+def _log_off() -> None:
+    log.info("%s: the C++ kernel is off (%s=0); using F.linear", WHAT, ENV)
+
+
+@cache
+def load() -> ModuleType | None:
+    """The compiled extension, or None (logged once) if it does not build here."""
+    if not cpu_build.supported(WHAT, log):
+        return None
+    try:
+        return _build()
+    except Exception as e:  # no compiler, a failed build: F.linear still works
+        log.warning("%s: C++ kernel build failed (%s); using F.linear", WHAT, e)
+        return None
+
+
+def _build() -> ModuleType:
+    return cpu_build.build("linear_cpu", WHAT, log)
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """W [N, K] float32 (any strides) -> panels [ceil(N / 32), K, 32], tail zero-padded.
+    Call only when `available()`."""
+    return load().pack(weight)
+
+
+def linear(
+    x: torch.Tensor,  # [..., K] float32
+    packed: torch.Tensor,  # [ceil(N / 32), K, 32] from pack(), or W [N, K] column-major
+    n: int,
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:
+    """-> [..., N] = x W^T (+ bias). Call only when `available()`."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    return load().linear(rows, packed, n, bias).view(*x.shape[:-1], n)

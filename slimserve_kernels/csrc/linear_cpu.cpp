@@ -1,0 +1,291 @@
+// y = x W^T (+ b) in float32 on the CPU, over W stored as panels of 32 output columns.
+//
+// Weight layout ("panels"): W [N, K] (out, in) as P = ceil(N / 32) panels, panel p holding
+// columns 32p .. 32p+31 as [K][32] (k-major, the 32 outputs contiguous); the last panel is
+// zero-padded. `pack` builds it once at load; the micro-kernel then streams a panel
+// sequentially (one 128-byte row of it per k) while MR rows of x are broadcast against it:
+// MR x 32 accumulators (MR <= 8: 16 zmm in the AVX-512 copy), an FMA per (row, 16 columns).
+// The same kernel also reads a column-major W (W.t() contiguous: k stride N, panel stride 32)
+// in place; the last partial panel is then copied into a zero-padded scratch panel.
+//
+// Reduction order: every output y[m, n] is one chain over k = 0 .. K-1 (acc = fma(x[m, k],
+// W[n, k], acc), from 0), then + b[n]. The chain does not depend on M, on which row of a
+// micro-tile the row sits in, or on the threads (they split panels, never k), so a row's
+// result is the same bits at any batch size: batch-invariant (aten's GEMM is not: MKL picks
+// kernels and K blockings by M).
+//
+// Threads: at::parallel_for over panels (torch's intra-op threads); one thread for small work.
+//
+// Portability: no -march flag. The kernel is compiled for AVX-512, AVX2+FMA and baseline
+// x86-64 (target attributes) and picked at the first call from the CPU's features, as in
+// paged_attention_cpu.cpp (slimserve_kernels/README.md). The baseline copy has no FMA
+// instruction: it multiplies then adds (its own bits, still batch-invariant).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kPanel = 32;  // output columns per panel
+constexpr int64_t kMaxRows = 8;  // rows of x per micro-tile
+// Software prefetch distance in k rows of a panel: 2 KiB ahead at 3+ rows; at 1-2 rows a
+// k row takes a few cycles, so 6 KiB.
+template <int MR>
+constexpr int64_t kAhead = MR <= 2 ? 48 : 16;
+
+typedef float Vec16 __attribute__((vector_size(64)));
+
+__attribute__((always_inline)) inline Vec16 load16(const float* p) {
+  Vec16 v;
+  std::memcpy(&v, p, sizeof(v));  // unaligned load
+  return v;
+}
+
+__attribute__((always_inline)) inline void store16(float* p, Vec16 v) {
+  std::memcpy(p, &v, sizeof(v));
+}
+
+// The operands of one call. W element (n, k) sits at w[(n / 32) * w_panel + k * w_k + n % 32].
+struct Problem {
+  const float* x;  // [M, K], row stride x_row, k contiguous
+  const float* w;
+  const float* bias;  // [N] or null
+  float* y;  // [M, N] contiguous
+  int64_t m, k, n, x_row, w_panel, w_k;
+};
+
+// acc[r][2j + h] = sum_k x[r, k] * panel_j[k, 16h .. 16h+16), r < MR, j < NP: one FMA chain
+// per output in k order. NP panels side by side keep >= 8 chains in flight at few rows (an
+// FMA's latency is 4 cycles on 2 ports: one row of one panel would wait on its 2 chains).
+template <int MR, int NP, bool PF>
+__attribute__((always_inline)) inline void tile(const float* __restrict x, int64_t x_row,
+                                                const float* __restrict panel, int64_t w_panel,
+                                                int64_t w_k, int64_t k_n,
+                                                Vec16 (&acc)[MR][2 * NP]) {
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < 2 * NP; ++j) acc[r][j] = Vec16{};
+  for (int64_t k = 0; k < k_n; ++k) {
+    Vec16 w[2 * NP];
+    for (int j = 0; j < NP; ++j) {
+      w[2 * j] = load16(panel + j * w_panel + k * w_k);
+      w[2 * j + 1] = load16(panel + j * w_panel + k * w_k + 16);
+      if (PF) {  // the panel's first pass: fetch kAhead rows ahead (the next panel at the end)
+        __builtin_prefetch(panel + j * w_panel + (k + kAhead<MR>) * w_k);
+        __builtin_prefetch(panel + j * w_panel + (k + kAhead<MR>) * w_k + 16);
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      const float a = x[r * x_row + k];
+      for (int j = 0; j < 2 * NP; ++j)
+        acc[r][j] = acc[r][j] + a * w[j];  // contracted to one FMA (checked in the objdump)
+    }
+  }
+}
+
+// y[m0 + r, n0 + c] = acc + bias for the first `cols` columns of each of the tile's rows.
+template <int MR, int NP>
+__attribute__((always_inline)) inline void store_tile(const Problem& p, int64_t m0, int64_t n0,
+                                                      int64_t cols, Vec16 (&acc)[MR][2 * NP]) {
+  constexpr int64_t width = NP * kPanel;
+  for (int r = 0; r < MR; ++r) {
+    float* y = p.y + (m0 + r) * p.n + n0;
+    if (cols == width) {
+      for (int j = 0; j < 2 * NP; ++j) {
+        Vec16 v = acc[r][j];
+        if (p.bias != nullptr) v += load16(p.bias + n0 + 16 * j);
+        store16(y + 16 * j, v);
+      }
+      continue;
+    }
+    float out[width];
+    for (int j = 0; j < 2 * NP; ++j) store16(out + 16 * j, acc[r][j]);
+    for (int64_t c = 0; c < cols; ++c) y[c] = out[c] + (p.bias != nullptr ? p.bias[n0 + c] : 0.0f);
+  }
+}
+
+// Rows m0 .. m0+MR of x against NP panels starting at `panel` (column n0), cols valid columns.
+template <int MR, int NP, bool PF>
+__attribute__((always_inline)) inline void rows_panels(const Problem& p, int64_t m0,
+                                                       const float* panel, int64_t w_panel,
+                                                       int64_t w_k, int64_t n0, int64_t cols) {
+  Vec16 acc[MR][2 * NP];
+  tile<MR, NP, PF>(p.x + m0 * p.x_row, p.x_row, panel, w_panel, w_k, p.k, acc);
+  store_tile<MR, NP>(p, m0, n0, cols, acc);
+}
+
+// The last MR (< 8) rows against panels [0, count) of a chunk: NP(MR) panels at a time so
+// that MR * 2 * NP >= 8 chains run, the rest one panel at a time.
+template <int MR, bool PF>
+__attribute__((always_inline)) inline void tail_rows(const Problem& p, int64_t m0,
+                                                     const float* panel, int64_t w_panel,
+                                                     int64_t w_k, int64_t n0, int64_t count,
+                                                     int64_t cols_last) {
+  constexpr int NP = MR == 1 ? 4 : MR <= 3 ? 2 : 1;
+  int64_t j = 0;
+  if (NP > 1)
+    for (; j + NP <= count && (j + NP < count || cols_last == kPanel); j += NP)
+      rows_panels<MR, NP, PF>(p, m0, panel + j * w_panel, w_panel, w_k, n0 + j * kPanel,
+                          NP * kPanel);
+  for (; j < count; ++j)
+    rows_panels<MR, 1, PF>(p, m0, panel + j * w_panel, w_panel, w_k, n0 + j * kPanel,
+                       j + 1 < count ? kPanel : cols_last);
+}
+
+// Every row of x against `count` consecutive panels from `panel` (column n0); the last one
+// has cols_last valid columns. Full 8-row tiles go panel by panel (a panel stays in L1 across
+// the row tiles), then the leftover rows.
+__attribute__((always_inline)) inline void chunk(const Problem& p, const float* panel,
+                                                 int64_t w_panel, int64_t w_k, int64_t n0,
+                                                 int64_t count, int64_t cols_last) {
+  const int64_t full = p.m / kMaxRows * kMaxRows;
+  for (int64_t j = 0; j < count; ++j) {
+    const int64_t cols = j + 1 < count ? kPanel : cols_last;
+    const float* pj = panel + j * w_panel;
+    if (full > 0) rows_panels<8, 1, true>(p, 0, pj, w_panel, w_k, n0 + j * kPanel, cols);
+    for (int64_t m0 = kMaxRows; m0 < full; m0 += kMaxRows)
+      rows_panels<8, 1, false>(p, m0, pj, w_panel, w_k, n0 + j * kPanel, cols);
+  }
+  if (full == 0) {  // the panels' first pass
+    switch (p.m) {
+      case 7: tail_rows<7, true>(p, 0, panel, w_panel, w_k, n0, count, cols_last); break;
+      case 6: tail_rows<6, true>(p, 0, panel, w_panel, w_k, n0, count, cols_last); break;
+      case 5: tail_rows<5, true>(p, 0, panel, w_panel, w_k, n0, count, cols_last); break;
+      case 4: tail_rows<4, true>(p, 0, panel, w_panel, w_k, n0, count, cols_last); break;
+      case 3: tail_rows<3, true>(p, 0, panel, w_panel, w_k, n0, count, cols_last); break;
+      case 2: tail_rows<2, true>(p, 0, panel, w_panel, w_k, n0, count, cols_last); break;
+      case 1: tail_rows<1, true>(p, 0, panel, w_panel, w_k, n0, count, cols_last); break;
+      default: break;
+    }
+    return;
+  }
+  switch (p.m - full) {
+    case 7: tail_rows<7, false>(p, full, panel, w_panel, w_k, n0, count, cols_last); break;
+    case 6: tail_rows<6, false>(p, full, panel, w_panel, w_k, n0, count, cols_last); break;
+    case 5: tail_rows<5, false>(p, full, panel, w_panel, w_k, n0, count, cols_last); break;
+    case 4: tail_rows<4, false>(p, full, panel, w_panel, w_k, n0, count, cols_last); break;
+    case 3: tail_rows<3, false>(p, full, panel, w_panel, w_k, n0, count, cols_last); break;
+    case 2: tail_rows<2, false>(p, full, panel, w_panel, w_k, n0, count, cols_last); break;
+    case 1: tail_rows<1, false>(p, full, panel, w_panel, w_k, n0, count, cols_last); break;
+    default: break;
+  }
+}
+
+constexpr int64_t kChunk = 4;  // panels per chunk (L2-resident at K <= ~4k)
+
+// Panels [begin, end) in chunks. A partial last panel of a column-major W (not padded in
+// memory) runs alone from a zero-padded scratch copy; a packed W's last panel is padded.
+__attribute__((always_inline)) inline void panels(const Problem& p, int64_t begin, int64_t end) {
+  const bool packed = p.w_k == kPanel;
+  const int64_t tail_cols = p.n - (p.n - 1) / kPanel * kPanel;  // of the last panel
+  const int64_t last = (p.n - 1) / kPanel;
+  const int64_t stop = !packed && tail_cols < kPanel && end > last ? last : end;
+  for (int64_t pi = begin; pi < stop; pi += kChunk) {
+    const int64_t count = std::min(kChunk, stop - pi);
+    const int64_t cols_last = pi + count - 1 == last ? tail_cols : kPanel;
+    chunk(p, p.w + pi * p.w_panel, p.w_panel, p.w_k, pi * kPanel, count, cols_last);
+  }
+  if (stop < end) {
+    std::vector<float> scratch(p.k * kPanel, 0.0f);
+    const float* src = p.w + last * p.w_panel;
+    for (int64_t k = 0; k < p.k; ++k)
+      for (int64_t j = 0; j < tail_cols; ++j) scratch[k * kPanel + j] = src[k * p.w_k + j];
+    chunk(p, scratch.data(), 0, kPanel, last * kPanel, 1, tail_cols);
+  }
+}
+
+// The same code compiled for three instruction sets, picked at run time by what the CPU
+// supports (see paged_attention_cpu.cpp for why not target_clones).
+__attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma")))
+void panels_avx512(const Problem& p, int64_t begin, int64_t end) {
+  panels(p, begin, end);
+}
+
+__attribute__((target("avx2,fma")))
+void panels_avx2(const Problem& p, int64_t begin, int64_t end) {
+  panels(p, begin, end);
+}
+
+void panels_baseline(const Problem& p, int64_t begin, int64_t end) { panels(p, begin, end); }
+
+using PanelsFn = void (*)(const Problem&, int64_t, int64_t);
+
+PanelsFn pick() {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq"))
+    return panels_avx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return panels_avx2;
+  return panels_baseline;
+}
+
+const PanelsFn kPanels = pick();
+
+const char* isa_name() {
+  return kPanels == panels_avx512 ? "avx512" : kPanels == panels_avx2 ? "avx2" : "baseline";
+}
+
+// W [N, K] float32 (any strides) -> panels [ceil(N / 32), K, 32], the tail zero-padded.
+at::Tensor pack(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.device().is_cpu(),
+              "pack: W must be a 2-D float32 CPU tensor [N, K]");
+  const int64_t n = w.size(0), k = w.size(1), p = (n + kPanel - 1) / kPanel;
+  at::Tensor padded = at::zeros({p * kPanel, k}, w.options());
+  padded.narrow(0, 0, n).copy_(w);
+  // [P, 32, K] -> [P, K, 32]
+  return padded.view({p, kPanel, k}).transpose(1, 2).contiguous();
+}
+
+// x [M, K] float32 (k contiguous) times W -> [M, N]. `w` is panels [P, K, 32] from pack(),
+// or a column-major [N, K] (stride (1, N)). `n` is W's N (panels are padded).
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t n,
+                  const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
+              "linear: x must be a 2-D float32 CPU tensor [M, K]");
+  TORCH_CHECK(x.stride(1) == 1 || x.size(1) <= 1, "linear: x must have k contiguous");
+  TORCH_CHECK(w.scalar_type() == at::kFloat && w.device().is_cpu(), "linear: W float32 CPU");
+  const int64_t m = x.size(0), k = x.size(1);
+  Problem p{};
+  p.x = x.data_ptr<float>();
+  p.m = m, p.k = k, p.n = n, p.x_row = x.stride(0);
+  if (w.dim() == 3) {
+    TORCH_CHECK(w.is_contiguous() && w.size(1) == k && w.size(2) == kPanel &&
+                    w.size(0) == (n + kPanel - 1) / kPanel,
+                "linear: packed W must be [ceil(N / 32), K, 32] contiguous");
+    p.w_panel = k * kPanel, p.w_k = kPanel;
+  } else {
+    TORCH_CHECK(w.dim() == 2 && w.size(0) == n && w.size(1) == k &&
+                    (w.stride(0) == 1 || n == 1) && (w.stride(1) == n || k == 1),
+                "linear: W must be packed or column-major [N, K] with strides (1, N)");
+    p.w_panel = kPanel, p.w_k = n;
+  }
+  p.w = w.data_ptr<float>();
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    b = bias->contiguous();
+    TORCH_CHECK(b.scalar_type() == at::kFloat && b.numel() == n, "linear: bias must be [N] float32");
+    p.bias = b.data_ptr<float>();
+  }
+  at::Tensor y = at::empty({m, n}, x.options());
+  p.y = y.data_ptr<float>();
+  if (m == 0 || n == 0) return y;
+  const int64_t panels_n = (n + kPanel - 1) / kPanel;
+  // >= ~64k multiply-adds (m * k * 32 per panel) per task: a fork costs a few microseconds.
+  const int64_t grain = std::max<int64_t>(1, 2048 / std::max<int64_t>(1, m * k));
+  at::parallel_for(0, panels_n, grain, [&](int64_t begin, int64_t end) {
+    kPanels(p, begin, end);
+  });
+  return y;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("pack", &pack, "W [N, K] float32 -> panels [ceil(N / 32), K, 32] (zero-padded)");
+  m.def("linear", &linear, "x [M, K] @ W^T (+ b) over packed or column-major W (CPU float32)");
+  m.def("isa", &isa_name, "the instruction set the kernel runs with on this CPU");
+}

@@ -1,0 +1,146 @@
+"""The C++ CPU float32 linear (slimserve_kernels/cpu_linear.py) against F.linear in float64,
+its batch invariance, and its use by the model's linears (app/models/layers.py).
+
+Tolerance: the kernel sums K fp32 products in one chain; against the float64 result the
+error is a few ulps times sqrt(K) of O(1) values: 1e-4 absolute and relative at K <= 1000.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from app.models.layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    pack_cpu_linears,
+)
+from slimserve_kernels import cpu_linear
+
+TOL = dict(rtol=1e-4, atol=1e-4)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel():
+    if not cpu_linear.available():
+        pytest.skip("the C++ CPU kernel did not build here (test_failed_build_falls_back)")
+
+
+def reference(x, w, b=None) -> torch.Tensor:
+    return F.linear(x.double(), w.double(), None if b is None else b.double()).float()
+
+
+@pytest.mark.parametrize("m", [1, 3, 8, 17, 32, 65, 512])
+@pytest.mark.parametrize("k,n", [(256, 512), (77, 33), (13, 100), (768, 256), (40, 5)])
+def test_matches_float64_reference(m, k, n):
+    """Any M (8-row tiles, then 1-7 rows over 4 / 2 / 1 panels at a time), K not a multiple
+    of 16, N with a partial last panel; packed panels and a column-major W in place."""
+    g = torch.Generator().manual_seed(m * 1000 + n)
+    x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n)
+    ref = reference(x, w, b)
+    column_major = w.t().contiguous().t()
+    for weights in (cpu_linear.pack(w), column_major):
+        torch.testing.assert_close(cpu_linear.linear(x, weights, n, b), ref, **TOL)
+    torch.testing.assert_close(cpu_linear.linear(x, cpu_linear.pack(w), n), reference(x, w), **TOL)
+
+
+def test_pack_layout_is_panels_of_32_zero_padded():
+    w = torch.arange(70 * 3, dtype=torch.float32).view(70, 3)
+    p = cpu_linear.pack(w)
+    assert p.shape == (3, 3, 32)
+    assert torch.equal(p[1, 2, 5], w[37, 2]) and torch.equal(p[2, :, 6:], torch.zeros(3, 26))
+
+
+def test_strided_and_batched_inputs():
+    """x a column slice (row stride != K), a transposed view, and [B, T, K]."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(48, 24, generator=g)
+    packed = cpu_linear.pack(w)
+    wide = torch.randn(9, 40, generator=g)
+    for x in (wide[:, 5:29], torch.randn(24, 9, generator=g).t(), torch.randn(2, 5, 24)):
+        y = cpu_linear.linear(x, packed, 48)
+        assert y.shape == (*x.shape[:-1], 48)
+        torch.testing.assert_close(y, reference(x, w), **TOL)
+
+
+def test_a_row_gives_the_same_bits_in_any_batch_and_thread_count():
+    """Batch invariance: one FMA chain per output in k order whatever M, the row's place in
+    a tile or the threads (aten's GEMM changes kernels and blockings with M)."""
+    g = torch.Generator().manual_seed(2)
+    w, b = torch.randn(1000, 256, generator=g), torch.randn(1000, generator=g)
+    packed = cpu_linear.pack(w)
+    x = torch.randn(33, 256, generator=g)
+    alone = torch.cat([cpu_linear.linear(x[i : i + 1], packed, 1000, b) for i in range(33)])
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            for rows in (33, 9, 3, 2):
+                assert torch.equal(cpu_linear.linear(x[:rows], packed, 1000, b), alone[:rows])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_bad_inputs_raise():
+    w = torch.randn(40, 16)
+    with pytest.raises(RuntimeError, match="packed W"):
+        cpu_linear.linear(torch.randn(2, 16), cpu_linear.pack(w)[:1].contiguous(), 40)
+    with pytest.raises(RuntimeError, match="column-major"):
+        cpu_linear.linear(torch.randn(2, 16), w, 40)  # row-major W
+    with pytest.raises(RuntimeError, match="bias"):
+        cpu_linear.linear(torch.randn(2, 16), cpu_linear.pack(w), 40, torch.randn(39))
+
+
+def _layers():
+    torch.manual_seed(3)
+    col, row = ColumnParallelLinear(40, 70, bias=True), RowParallelLinear(70, 24, bias=True)
+    head = ParallelLMHead(100, 24)
+    for p in (*col.parameters(), *row.parameters(), *head.parameters()):
+        p.data.normal_()
+    model = torch.nn.ModuleList([col, row, head])
+    return model, lambda x: head(row(col(x)))
+
+
+def test_model_linears_use_the_kernel_and_its_off_switch(monkeypatch):
+    """pack_cpu_linears gives the column, row and LM-head linears panels; their forward then
+    runs the kernel (its bits, not F.linear's), and SLIMSERVE_CPU_KERNELS=0 takes F.linear
+    again at the next call. The Parameters stay as they were."""
+    model, forward = _layers()
+    weights = [p.detach().clone() for p in model.parameters()]
+    x = torch.randn(5, 40)
+    with torch.inference_mode():
+        plain = forward(x)
+        assert pack_cpu_linears(model) == 3
+        col, row, head = model
+        h = cpu_linear.linear(x, col.packed, 70, col.bias)
+        h = cpu_linear.linear(h, row.packed, 24) + row.bias
+        assert torch.equal(forward(x), cpu_linear.linear(h, head.packed, 100))
+        torch.testing.assert_close(forward(x), plain, **TOL)
+        monkeypatch.setenv(cpu_linear.ENV, "0")
+        assert torch.equal(forward(x), plain)
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights, strict=True))
+    assert pack_cpu_linears(model) == 0  # off: nothing packed
+
+
+def test_failed_build_falls_back(monkeypatch, caplog):
+    """No compiler (the build raises): available() is False with one warning, nothing is
+    packed, and the linears keep F.linear."""
+
+    def no_compiler():
+        raise RuntimeError("no c++ compiler")
+
+    monkeypatch.setattr(cpu_linear, "_build", no_compiler)
+    cpu_linear.load.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger=cpu_linear.__name__):
+            assert not cpu_linear.available() and not cpu_linear.available()
+        assert sum("build failed" in r.message for r in caplog.records) == 1
+        model, forward = _layers()
+        assert pack_cpu_linears(model) == 0 and all(m.packed is None for m in model)
+        forward(torch.randn(2, 40))
+    finally:
+        cpu_linear.load.cache_clear()  # the next test builds (loads from the cache) again
