@@ -8,8 +8,9 @@ Each output is one FMA chain over k in order, whatever M or the thread count: a 
 does not depend on its batch (batch-invariant; aten's GEMM is not).
 
 `available()` is False, logging why once, when the kernels are off (`SLIMSERVE_CPU_KERNELS=0`,
-read on every call so a test can switch it) or the build failed (no compiler, not x86-64);
-callers then keep F.linear.
+read on every call) or the build failed (no compiler, not x86-64); callers then keep
+F.linear. The model's linears ask once, when their weights are packed
+(app/models/layers.py `pack_cpu_linears`), not per call (~1 us of an env read each).
 """
 
 from __future__ import annotations
@@ -75,8 +76,5 @@ def linear(
     n: int,
     bias: torch.Tensor | None = None,  # [N]
 ) -> torch.Tensor:
-    """-> [..., N] = x W^T (+ bias). Call only when `available()`."""
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    return load().linear(rows, packed, n, bias).view(*x.shape[:-1], n)
+    """-> [..., N] = x W^T (+ bias), x of any strides. Call only when `available()`."""
+    return load().linear(x, packed, n, bias)

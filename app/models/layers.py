@@ -25,9 +25,9 @@ def _linear(
     packed: torch.Tensor | None,  # weight as the CPU kernel's panels, or None
     bias: torch.Tensor | None,
 ) -> torch.Tensor:
-    """x W^T (+ b): the C++ CPU kernel over `packed` when there are panels and the kernels
-    are on (read per call, so SLIMSERVE_CPU_KERNELS=0 falls back at once), else F.linear."""
-    if packed is not None and cpu_linear.enabled():
+    """x W^T (+ b): the C++ CPU kernel over `packed` when the weight has panels (the kernel
+    was on and built when pack_cpu_linears ran), else F.linear."""
+    if packed is not None:
         return cpu_linear.linear(x, packed, weight.shape[0], bias)
     return F.linear(x, weight, bias)
 
@@ -235,9 +235,9 @@ def pack_cpu_linears(model: nn.Module) -> int:
     (slimserve_kernels/cpu_linear.py), so its forward runs the kernel. Returns how many.
 
     The panels are a copy beside `weight` (one more float32 copy of these weights): the
-    Parameter stays as it was for the loaders, tensor parallelism, tied embedding tables and
-    F.linear when the kernels are switched off. A no-op when the kernel is not available
-    (off, not built) or for other dtypes / devices."""
+    Parameter stays as it was for the loaders, tensor parallelism and tied embedding tables.
+    A no-op when the kernel is not available (SLIMSERVE_CPU_KERNELS=0, not built) or for
+    other dtypes / devices; `unpack_cpu_linears` undoes it (F.linear again)."""
     if not cpu_linear.available():
         return 0
     packed = 0
@@ -248,3 +248,13 @@ def pack_cpu_linears(model: nn.Module) -> int:
         m.packed = cpu_linear.pack(w.detach())
         packed += 1
     return packed
+
+
+def unpack_cpu_linears(model: nn.Module) -> int:
+    """Drops the panels pack_cpu_linears gave: F.linear again. Returns how many."""
+    dropped = 0
+    for m in model.modules():
+        if getattr(m, "packed", None) is not None:
+            m.packed = None
+            dropped += 1
+    return dropped

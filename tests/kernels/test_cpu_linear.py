@@ -18,6 +18,7 @@ from app.models.layers import (
     ParallelLMHead,
     RowParallelLinear,
     pack_cpu_linears,
+    unpack_cpu_linears,
 )
 from slimserve_kernels import cpu_linear
 
@@ -107,8 +108,8 @@ def _layers():
 
 def test_model_linears_use_the_kernel_and_its_off_switch(monkeypatch):
     """pack_cpu_linears gives the column, row and LM-head linears panels; their forward then
-    runs the kernel (its bits, not F.linear's), and SLIMSERVE_CPU_KERNELS=0 takes F.linear
-    again at the next call. The Parameters stay as they were."""
+    runs the kernel (its bits, not F.linear's); unpack_cpu_linears takes F.linear again, and
+    with SLIMSERVE_CPU_KERNELS=0 nothing is packed. The Parameters stay as they were."""
     model, forward = _layers()
     weights = [p.detach().clone() for p in model.parameters()]
     x = torch.randn(5, 40)
@@ -120,10 +121,11 @@ def test_model_linears_use_the_kernel_and_its_off_switch(monkeypatch):
         h = cpu_linear.linear(h, row.packed, 24) + row.bias
         assert torch.equal(forward(x), cpu_linear.linear(h, head.packed, 100))
         torch.testing.assert_close(forward(x), plain, **TOL)
-        monkeypatch.setenv(cpu_linear.ENV, "0")
+        assert unpack_cpu_linears(model) == 3
         assert torch.equal(forward(x), plain)
     assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights, strict=True))
-    assert pack_cpu_linears(model) == 0  # off: nothing packed
+    monkeypatch.setenv(cpu_linear.ENV, "0")
+    assert pack_cpu_linears(model) == 0 and all(m.packed is None for m in model)
 
 
 def test_failed_build_falls_back(monkeypatch, caplog):
