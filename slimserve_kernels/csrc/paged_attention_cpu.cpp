@@ -349,20 +349,6 @@ __attribute__((always_inline)) inline Vec16 token_scales(const Problem& p, const
   return s;
 }
 
-// Asks for the cache lines of tokens [0, n) of `block`, head h (K or V rows and FP8 scales)
-// ahead of use: blocks sit anywhere in the cache (the table is not in order), so the
-// hardware prefetcher cannot guess the next one; perf put the first loads of each block
-// (cache misses) at a third of the FP8 decode's time.
-__attribute__((always_inline)) inline void prefetch_rows(const Problem& p, const Cache& c,
-                                                         int64_t block, int64_t n, int64_t h) {
-  const int64_t elem = p.kind == CacheKind::kFloat32 ? 4 : p.kind == CacheKind::kFp8 ? 1 : 2;
-  const char* base = static_cast<const char*>(c.data) + (block * c.s_block + h * c.s_head) * elem;
-  for (int64_t t = 0; t < n; ++t)
-    for (int64_t at = 0; at < p.d * elem; at += 64) __builtin_prefetch(base + t * c.s_tok * elem + at);
-  if (p.kind == CacheKind::kFp8)
-    for (int64_t t = 0; t < n; t += 16) __builtin_prefetch(c.scale + block * c.e_block + t * c.e_tok + h * c.e_head);
-}
-
 // One (sequence, KV head): every query row of the sequence times the G heads of the group.
 // Keys go in chunks of up to 16 of one block: each chunk's K and V decoded once into fp32
 // tiles, then per query row one vector of 16 scores (no per-key horizontal sum), its softmax
@@ -395,11 +381,6 @@ __attribute__((always_inline)) inline void attend(const Problem& p, int64_t b, i
   for (int64_t start = 0; start < len; start += bs) {
     const int64_t block = table[start / bs];
     const int64_t in_block = std::min(bs, len - start);
-    if (start + bs < len) {
-      const int64_t next = table[start / bs + 1], n_next = std::min(bs, len - start - bs);
-      prefetch_rows(p, p.k, next, n_next, h);
-      prefetch_rows(p, p.v, next, n_next, h);
-    }
     for (int64_t c0 = 0; c0 < in_block; c0 += kLanes) {
       const int64_t n = std::min<int64_t>(kLanes, in_block - c0), first = start + c0;
       int64_t ks, vs;
