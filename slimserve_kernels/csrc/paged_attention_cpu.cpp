@@ -345,8 +345,17 @@ __attribute__((always_inline)) inline Vec16 token_scales(const Problem& p, const
   Vec16 s = splat16(1.0f);
   if (p.kind != CacheKind::kFp8) return s;
   const int8_t* e = c.scale + block * c.e_block + t0 * c.e_tok + h * c.e_head;
-  for (int64_t t = 0; t < n; ++t) s[t] = exp2i(e[t * c.e_tok]);
-  return s;
+  int32_t ex[kLanes] = {};  // lanes past n: 2**0
+  for (int64_t t = 0; t < n; ++t) ex[t] = e[t * c.e_tok];
+  Vec16i v;
+  std::memcpy(&v, ex, sizeof(v));
+  int32_t low = 0;  // any exponent below -126 (never written by kv_write: [-100, 127])
+  for (int t = 0; t < kLanes; ++t) low |= ex[t] < -126;
+  if (low) {
+    for (int64_t t = 0; t < n; ++t) s[t] = exp2i(ex[t]);
+    return s;
+  }
+  return bits_as<Vec16>((v + 127) << 23);  // exp2i's bit form, 16 lanes at once
 }
 
 // One (sequence, KV head): every query row of the sequence times the G heads of the group.
