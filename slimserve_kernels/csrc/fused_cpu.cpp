@@ -370,10 +370,16 @@ void rotary_(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos,
   at::parallel_for(0, t, grain(x.size(1) * d), [&](int64_t t0, int64_t t1) { fn(p, t0, t1); });
 }
 
+// The kernels run without the GIL, as ATen's own Python bindings do: a served replica's
+// event loop (requests in, deltas out) keeps running while its step thread computes.
+// The arguments are converted (and the result returned) with the GIL held.
+using NoGil = pybind11::call_guard<pybind11::gil_scoped_release>;
+constexpr NoGil kNoGil{};
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows (CPU)");
-  m.def("add_rms_norm", &add_rms_norm, "residual += x; RMSNorm(residual) (CPU)");
-  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [T, 2I] (CPU)");
-  m.def("rotary_", &rotary_, "neox rotary embedding in place (CPU)");
+  m.def("rms_norm", &rms_norm, kNoGil, "RMSNorm of float32 rows (CPU)");
+  m.def("add_rms_norm", &add_rms_norm, kNoGil, "residual += x; RMSNorm(residual) (CPU)");
+  m.def("silu_and_mul", &silu_and_mul, kNoGil, "silu(gate) * up of [T, 2I] (CPU)");
+  m.def("rotary_", &rotary_, kNoGil, "neox rotary embedding in place (CPU)");
   m.def("isa", &isa_name, "the instruction set the kernels run with on this CPU");
 }

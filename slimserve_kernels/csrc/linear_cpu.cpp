@@ -290,8 +290,14 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, int64_t n,
 
 }  // namespace
 
+// The kernels run without the GIL, as ATen's own Python bindings do: a served replica's
+// event loop (requests in, deltas out) keeps running while its step thread computes.
+// The arguments are converted (and the result returned) with the GIL held.
+using NoGil = pybind11::call_guard<pybind11::gil_scoped_release>;
+constexpr NoGil kNoGil{};
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("pack", &pack, "W [N, K] float32 -> panels [ceil(N / 32), K, 32] (zero-padded)");
-  m.def("linear", &linear, "x [..., K] @ W^T (+ b) over packed or column-major W (CPU float32)");
+  m.def("pack", &pack, kNoGil, "W [N, K] float32 -> panels [ceil(N / 32), K, 32] (zero-padded)");
+  m.def("linear", &linear, kNoGil, "x [..., K] @ W^T (+ b) over packed or column-major W (CPU float32)");
   m.def("isa", &isa_name, "the instruction set the kernel runs with on this CPU");
 }

@@ -627,8 +627,14 @@ void kv_write(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cach
   });
 }
 
+// The kernels run without the GIL, as ATen's own Python bindings do: a served replica's
+// event loop (requests in, deltas out) keeps running while its step thread computes.
+// The arguments are converted (and the result returned) with the GIL held.
+using NoGil = pybind11::call_guard<pybind11::gil_scoped_release>;
+constexpr NoGil kNoGil{};
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("kv_write", &kv_write, "kv_write into a float32 or FP8 paged cache (CPU)");
-  m.def("paged_attention", &paged_attention, "paged attention over a paged KV cache (CPU)");
+  m.def("kv_write", &kv_write, kNoGil, "kv_write into a float32 or FP8 paged cache (CPU)");
+  m.def("paged_attention", &paged_attention, kNoGil, "paged attention over a paged KV cache (CPU)");
   m.def("isa", &isa_name, "the instruction set the kernel runs with on this CPU");
 }
