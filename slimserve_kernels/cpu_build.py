@@ -19,6 +19,8 @@ import hashlib
 import logging
 import os
 import platform
+from collections.abc import Callable
+from functools import cache
 from types import ModuleType
 
 import torch
@@ -32,6 +34,32 @@ ENV = "SLIMSERVE_CPU_KERNELS"
 def enabled() -> bool:
     """False when SLIMSERVE_CPU_KERNELS is 0 / false / off."""
     return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def ready(on: bool, load: Callable[[], ModuleType | None], what, fallback, logger) -> bool:
+    """A loader's `available()`: on (its `enabled()`), and built (`load()`, which builds at
+    the first call). Logs once per kernel that it is off."""
+    if not on:
+        _log_off(what, fallback, logger)
+        return False
+    return load() is not None
+
+
+@cache
+def _log_off(what: str, fallback: str, logger: logging.Logger) -> None:
+    logger.info("%s: the C++ kernel is off (%s=0); using %s", what, ENV, fallback)
+
+
+def load_or_none(what: str, build: Callable[[], ModuleType], fallback: str, logger):
+    """A loader's cached `load()`: the built extension, or None (logged) where it cannot
+    run: not x86-64, no compiler, a failed build. The caller keeps `fallback` then."""
+    if not supported(what, logger):
+        return None
+    try:
+        return build()
+    except Exception as e:  # no compiler, a failed build: the torch path still works
+        logger.warning("%s: C++ kernel build failed (%s); using %s", what, e, fallback)
+        return None
 
 
 def supported(what: str, logger: logging.Logger) -> bool:

@@ -30,6 +30,7 @@ from slimserve_kernels import cpu_build
 log = logging.getLogger(__name__)
 
 ENV = cpu_build.ENV
+FALLBACK = "the torch path"
 WHAT = "CPU fused ops"
 
 
@@ -40,10 +41,7 @@ def enabled() -> bool:
 
 def available() -> bool:
     """Whether the fused ops can run: on, and built (the first call builds)."""
-    if not enabled():
-        _log_off()
-        return False
-    return load() is not None
+    return cpu_build.ready(enabled(), load, WHAT, FALLBACK, log)
 
 
 def takes(*tensors: torch.Tensor) -> bool:
@@ -73,20 +71,9 @@ def vec_lanes() -> int:
 
 
 @cache
-def _log_off() -> None:
-    log.info("%s: the C++ kernels are off (%s=0); using the torch path", WHAT, ENV)
-
-
-@cache
 def load() -> ModuleType | None:
     """The compiled extension, or None (logged once) if it does not build here."""
-    if not cpu_build.supported(WHAT, log):
-        return None
-    try:
-        return _build()
-    except Exception as e:  # no compiler, a failed build: the torch path still works
-        log.warning("%s: C++ kernel build failed (%s); using the torch path", WHAT, e)
-        return None
+    return cpu_build.load_or_none(WHAT, lambda: _build(), FALLBACK, log)
 
 
 def _build() -> ModuleType:

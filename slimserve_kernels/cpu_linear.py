@@ -26,6 +26,7 @@ from slimserve_kernels import cpu_build
 log = logging.getLogger(__name__)
 
 ENV = cpu_build.ENV
+FALLBACK = "F.linear"
 WHAT = "CPU linear"
 PANEL = 32  # output columns per panel (kPanel in the source)
 
@@ -37,27 +38,13 @@ def enabled() -> bool:
 
 def available() -> bool:
     """Whether the kernel can run: on, and built (the first call builds)."""
-    if not enabled():
-        _log_off()
-        return False
-    return load() is not None
-
-
-@cache
-def _log_off() -> None:
-    log.info("%s: the C++ kernel is off (%s=0); using F.linear", WHAT, ENV)
+    return cpu_build.ready(enabled(), load, WHAT, FALLBACK, log)
 
 
 @cache
 def load() -> ModuleType | None:
     """The compiled extension, or None (logged once) if it does not build here."""
-    if not cpu_build.supported(WHAT, log):
-        return None
-    try:
-        return _build()
-    except Exception as e:  # no compiler, a failed build: F.linear still works
-        log.warning("%s: C++ kernel build failed (%s); using F.linear", WHAT, e)
-        return None
+    return cpu_build.load_or_none(WHAT, lambda: _build(), FALLBACK, log)
 
 
 def _build() -> ModuleType:

@@ -23,6 +23,7 @@ from slimserve_kernels import cpu_build
 log = logging.getLogger(__name__)
 
 ENV = cpu_build.ENV
+FALLBACK = "the torch path"
 WHAT = "CPU paged attention"
 
 
@@ -33,27 +34,13 @@ def enabled() -> bool:
 
 def available() -> bool:
     """Whether paged_attention_cpu can run: on, and built (the first call builds)."""
-    if not enabled():
-        _log_off()
-        return False
-    return load() is not None
-
-
-@cache
-def _log_off() -> None:
-    log.info("%s: the C++ kernel is off (%s=0); using the torch path", WHAT, ENV)
+    return cpu_build.ready(enabled(), load, WHAT, FALLBACK, log)
 
 
 @cache
 def load() -> ModuleType | None:
     """The compiled extension, or None (logged once) if it does not build here."""
-    if not cpu_build.supported(WHAT, log):
-        return None
-    try:
-        return _build()
-    except Exception as e:  # no compiler, a failed build: the torch path still works
-        log.warning("%s: C++ kernel build failed (%s); using the torch path", WHAT, e)
-        return None
+    return cpu_build.load_or_none(WHAT, lambda: _build(), FALLBACK, log)
 
 
 def _build() -> ModuleType:
