@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
-from collections.abc import Awaitable, Callable
 
 import numpy as np
 import ray
@@ -15,8 +13,6 @@ from app.engine.request import Request, RequestDelta
 from app.kv.chunk import KVChunk
 from app.kvstore.store import StoredChunk
 from app.kvstore.transfer import publish
-from app.serve.delta_outbox import DeltaLink
-from app.serve.delta_wire import DeltaChannelError, ReplyTo, head_id
 from app.serve.engine_replica import EngineReplica
 from app.serve.messages import GenerateRequest, PrefillResult
 from app.serve.replica import is_full
@@ -31,33 +27,6 @@ class PrefillServer(EngineReplica):
     uses_store = True
 
     async def prefill(self, req: GenerateRequest) -> PrefillResult:
-        return await self._prefill(req)
-
-    async def prefill_to(self, req: GenerateRequest, reply_to: ReplyTo) -> PrefillResult:
-        """`prefill`, also sending the first token to the ingress's inbox (key `head_id`)
-        as soon as the engine gives it, before the KV is published and the result returns
-        (measured ~4 ms at 1 stream, ~9 ms at 8 of the first token's path). Should the
-        channel fail, the result still carries the token."""
-
-        try:  # opened (or reused) before the prompt runs, not on the token's path
-            link: DeltaLink | None = await self.outbox.link(reply_to)
-        except DeltaChannelError as e:
-            log.warning("the first token will come with the prefill result only: %s", e)
-            link = None
-
-        async def send_head(first: RequestDelta) -> None:
-            head = dataclasses.replace(first, request_id=head_id(req.request_id), kv_rejected=None)
-            with contextlib.suppress(DeltaChannelError):  # logged by the link
-                link.send(head)
-                await link.drained()  # on the wire before the publish starts
-
-        return await self._prefill(req, send_head if link is not None else None)
-
-    async def _prefill(
-        self,
-        req: GenerateRequest,
-        on_first: Callable[[RequestDelta], Awaitable[None]] | None = None,
-    ) -> PrefillResult:
         host, prompt = self.host, req.prompt_token_ids
         host.inflight_tokens += len(prompt)
         try:
@@ -77,13 +46,8 @@ class PrefillServer(EngineReplica):
             async for delta in deltas:  # timed: TTFT as this replica sees it
                 first = delta if first is None else merge(first, delta)
             assert first is not None and first.finished, "prefill ended without a final delta"
-            exported, first = (
-                first.exported_chunks or [],
-                dataclasses.replace(first, exported_chunks=None),
-            )
-            if on_first is not None:
-                await on_first(first)
-            chunks = await self._publish(exported, reused)
+            chunks = await self._publish(first.exported_chunks or [], reused)
+            first = dataclasses.replace(first, exported_chunks=None)
             return PrefillResult(
                 req.request_id,
                 first,
