@@ -24,6 +24,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason=reason))
 
 
+def pytest_sessionstart(session):
+    """The C++ CPU kernels are built (or loaded from torch's extension cache) once, here,
+    before any test: on a machine without the cached builds the first build (about a minute
+    each) then never lands inside a Serve replica's start or a timed-out request."""
+    from slimserve_kernels import cpu_kernels
+
+    cpu_kernels.build_all()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def no_orphan_processes():
     """Set up first, torn down last: after every other fixture (Ray, TP workers) has ended,

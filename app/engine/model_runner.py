@@ -17,6 +17,7 @@ from app.engine.kv_cache import KVCache
 from app.engine.step import StepOutput, StepPlan
 from app.models.hooks import attn_scale
 from app.models.layers import column_major_linears, pack_cpu_linears
+from slimserve_kernels import cpu_kernels
 
 
 @dataclass(slots=True)
@@ -38,6 +39,7 @@ class ModelRunner:
         self.keep_hidden, self.last_hidden = False, None
         self.graphs: DecodeGraphs | None = None  # decode replays (enable_graphs)
         if torch.device(device).type == "cpu":  # faster GEMMs there (column_major_linears)
+            cpu_kernels.build_all()  # the C++ kernels' first build at start, not in a step
             column_major_linears(model)
             pack_cpu_linears(model)  # the C++ float32 linear's weight panels (if built)
 
