@@ -237,7 +237,9 @@ def pack_cpu_linears(model: nn.Module) -> int:
     The panels are a copy beside `weight` (one more float32 copy of these weights): the
     Parameter stays as it was for the loaders, tensor parallelism and tied embedding tables.
     A no-op when the kernel is not available (SLIMSERVE_CPU_KERNELS=0, not built) or for
-    other dtypes / devices; `unpack_cpu_linears` undoes it (F.linear again)."""
+    other dtypes / devices; `unpack_cpu_linears` undoes it (F.linear again). A weight written
+    in place after this (`weight.data.copy_`, as the quantization tests do to a dense twin)
+    needs this called again: the panels would still hold the old values."""
     if not cpu_linear.available():
         return 0
     packed = 0

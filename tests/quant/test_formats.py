@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from app import LLM, SamplingParams
+from app.models.layers import pack_cpu_linears
 from app.quant.int4_linear import Int4Linear
 from quant.builders import (
     hf_dequantized_logits,
@@ -98,6 +99,7 @@ def test_int4_model_generates_like_its_dequantized_twin(llama_path):
     for name, m in quant.engine.model.named_modules():
         if isinstance(m, Int4Linear):
             modules[name].weight.data.copy_(m.dequantized_weight())
+    pack_cpu_linears(twin.engine.model)  # the C++ linear's panels are a copy: repack
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     prompts = [[5, 17, 42, 99, 3], list(range(10, 40))]
     a = [o.token_ids for o in quant.generate(prompts, params)]

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from app import LLM
+from app.models.layers import pack_cpu_linears
 from app.models.parallel import TPContext
 from app.quant.fp8_linear import Fp8Linear
 from app.quant.int4_linear import Int4Linear
@@ -83,6 +84,7 @@ def test_weight_quant_fp8_quantizes_on_load(llama_path):
     modules = dict(twin.engine.model.named_modules())
     for name, m in mods.items():
         modules[name].weight.data.copy_(m.dequantized_weight())
+    pack_cpu_linears(twin.engine.model)  # the C++ linear's panels are a copy: repack
     torch.testing.assert_close(ours, twin.engine.score(IDS), atol=ATOL, rtol=1e-4)
 
 

@@ -5,6 +5,7 @@ import torch
 import transformers
 
 from app import LLM
+from app.models.layers import pack_cpu_linears
 from app.quant.int4_linear import Int4Linear
 from app.quant.quantize_cli import quantize_checkpoint
 from tiny_models import make_tokenizer
@@ -61,6 +62,7 @@ def twin_logits(quant: LLM, dense_path: str) -> torch.Tensor:
     for name, m in quant.engine.model.named_modules():
         if isinstance(m, Int4Linear):
             modules[name].weight.data.copy_(m.dequantized_weight())
+    pack_cpu_linears(twin.engine.model)  # the C++ linear's panels are a copy: repack
     return twin.engine.score(IDS)
 
 

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from app import LLM, SamplingParams
 from app.engine.spec.speculator import Speculator
+from app.models.layers import pack_cpu_linears
 from app.quant.fp8_linear import Fp8Linear
 from app.quant.int4_linear import Int4Linear
 from app.quant.quantize_cli import quantize_checkpoint
@@ -64,6 +65,7 @@ def dense_twin(quant: LLM, src: str) -> LLM:
                 cos = F.cosine_similarity(w.flatten(), modules[name].weight.flatten(), 0)
                 assert cos > 0.95, (name, float(cos))
             modules[name].weight.data.copy_(w)
+    pack_cpu_linears(twin.engine.model)  # the C++ linear's panels are a copy: repack
     return twin
 
 
