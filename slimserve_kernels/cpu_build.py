@@ -2,9 +2,14 @@
 
 Each source is one torch extension, built once per torch version and source with
 `torch.utils.cpp_extension.load` into torch's extensions directory (`TORCH_EXTENSIONS_DIR`,
-default ~/.cache/torch_extensions); torch's file lock there serializes concurrent first
-builds (several processes or Ray replicas). The name carries a digest of the source and the
-torch version, so a changed source or torch rebuilds instead of loading a stale module. A
+default ~/.cache/torch_extensions). The name carries a digest of the source and the torch
+version, so a changed source or torch rebuilds instead of loading a stale module; the source
+is compiled from a copy inside the build directory, so checkouts at other paths (git
+worktrees, a CI clone) with the same source share one build instead of rebuilding it in
+turn. Concurrent first builds (several processes or Ray replicas) are serialized by an
+`fcntl` lock beside the build directory, which the kernel releases if its holder dies;
+torch's own lock file (`lock`, left behind by a build that was killed, on which every later
+`load` would wait forever) is removed under it. A
 build takes no -march flag: each source compiles its hot functions for AVX-512, AVX2 and
 baseline x86-64 (target attributes) and picks one at run time, so a cached build runs on any
 x86-64 CPU.
@@ -15,11 +20,14 @@ switch it); callers then keep their PyTorch path.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
 import platform
-from collections.abc import Callable
+import shutil
+from collections.abc import Callable, Iterator
 from functools import cache
 from types import ModuleType
 
@@ -78,14 +86,36 @@ def build(stem: str, what: str, logger: logging.Logger) -> ModuleType:
     source = os.path.join(CSRC, f"{stem}.cpp")
     with open(source, "rb") as f:  # the name keys the cache: a changed source or torch rebuilds
         digest = hashlib.sha256(f.read() + torch.__version__.encode()).hexdigest()[:12]
+    name = f"slimserve_{stem}_{digest}"
+    build_dir = cpp_extension._get_build_directory(name, verbose=False)  # torch's own layout
     # A first build takes tens of seconds of one core (three instruction-set copies); say
     # so, or the first step that uses it looks hung. A cached build loads in well under 1 s.
     logger.info("%s: loading the C++ kernel (a first build takes ~40 s, once)", what)
-    module = cpp_extension.load(
-        name=f"slimserve_{stem}_{digest}",
-        sources=[source],
-        extra_cflags=["-O3"],
-        verbose=False,
-    )
+    with _build_lock(build_dir):
+        copy = os.path.join(build_dir, f"{stem}.cpp")
+        if not os.path.exists(copy):  # same digest, same bytes: an existing copy is current
+            shutil.copyfile(source, copy + ".tmp")
+            os.replace(copy + ".tmp", copy)
+        module = cpp_extension.load(
+            name=name, sources=[copy], extra_cflags=["-O3"], build_directory=build_dir
+        )
     logger.info("%s: C++ kernel loaded, %s (%s)", what, module.isa(), module.__file__)
     return module
+
+
+@contextlib.contextmanager
+def _build_lock(build_dir: str) -> Iterator[None]:
+    """Holds an exclusive `fcntl` lock on `<build_dir>.lock` (released by the kernel when its
+    holder exits, however it exits). Every build of this name takes it first, so torch's
+    `lock` file found under it was left by a build that died: removed, or torch would wait
+    for it forever."""
+    with open(build_dir + ".lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        try:
+            stale = os.path.join(build_dir, "lock")
+            if os.path.exists(stale):
+                log.warning("removing %s, left by a C++ kernel build that did not finish", stale)
+                os.remove(stale)
+            yield
+        finally:
+            fcntl.flock(held, fcntl.LOCK_UN)

@@ -1,0 +1,80 @@
+"""The C++ kernels' JIT build (slimserve_kernels/cpu_build.py) against a tiny source: a build
+killed mid-way must not hang every later start, and two checkouts of one source share one
+build. Each test builds in its own TORCH_EXTENSIONS_DIR, in a subprocess (torch caches
+loaded extensions per process)."""
+
+import os
+import platform
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytestmark = pytest.mark.skipif(
+    platform.machine().lower() not in ("x86_64", "amd64"), reason="the C++ kernels are x86-64"
+)
+
+TINY = textwrap.dedent(
+    """
+    #include <pybind11/pybind11.h>
+    static const char* isa() { return "tiny"; }
+    PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("isa", &isa); }
+    """
+)
+BUILD = textwrap.dedent(
+    """
+    import logging, sys
+    from slimserve_kernels import cpu_build
+    cpu_build.CSRC = sys.argv[1]
+    module = cpu_build.build("tiny", "tiny", logging.getLogger("tiny"))
+    print(module.__file__)
+    """
+)
+
+
+def checkout(root, name: str) -> str:
+    csrc = root / name
+    csrc.mkdir()
+    (csrc / "tiny.cpp").write_text(TINY)
+    return str(csrc)
+
+
+def build(csrc: str, extensions: str, timeout_s: float = 240) -> str:
+    """The built module's path; fails the test if the build does not finish in time."""
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": extensions}
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    run = subprocess.run(
+        [sys.executable, "-c", BUILD, csrc],
+        env=env,
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    return run.stdout.strip().splitlines()[-1]
+
+
+def test_a_lock_left_by_a_killed_build_does_not_hang_the_next(tmp_path):
+    extensions = tmp_path / "ext"
+    first = build(checkout(tmp_path, "a"), str(extensions))
+    build_dir = os.path.dirname(first)
+    # What a build killed between taking torch's lock and finishing leaves behind.
+    open(os.path.join(build_dir, "lock"), "w").close()
+    os.remove(first)  # so the next load has to build again (under torch's lock)
+    try:
+        again = build(checkout(tmp_path, "b"), str(extensions), timeout_s=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the build waited on the stale lock file")
+    assert os.path.exists(again)
+    assert not os.path.exists(os.path.join(build_dir, "lock"))
+
+
+def test_two_checkouts_of_one_source_share_one_build(tmp_path):
+    extensions = str(tmp_path / "ext")
+    first = build(checkout(tmp_path, "main"), extensions)
+    built_at = os.stat(first).st_mtime_ns
+    second = build(checkout(tmp_path, "worktree"), extensions)
+    assert second == first
+    assert os.stat(second).st_mtime_ns == built_at  # loaded, not rebuilt
