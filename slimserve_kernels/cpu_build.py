@@ -37,6 +37,10 @@ log = logging.getLogger(__name__)
 
 CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 ENV = "SLIMSERVE_CPU_KERNELS"
+# In the digest: a change of how builds are laid out gets its own directories, so processes
+# of an older checkout (loading from their source path) and a newer one do not rebuild one
+# directory in turn.
+_LAYOUT = b"source copied into the build directory"
 
 
 def enabled() -> bool:
@@ -85,8 +89,8 @@ def build(stem: str, what: str, logger: logging.Logger) -> ModuleType:
 
     source = os.path.join(CSRC, f"{stem}.cpp")
     with open(source, "rb") as f:  # the name keys the cache: a changed source or torch rebuilds
-        digest = hashlib.sha256(f.read() + torch.__version__.encode()).hexdigest()[:12]
-    name = f"slimserve_{stem}_{digest}"
+        digest = hashlib.sha256(f.read() + torch.__version__.encode() + _LAYOUT).hexdigest()
+    name = f"slimserve_{stem}_{digest[:12]}"
     build_dir = cpp_extension._get_build_directory(name, verbose=False)  # torch's own layout
     # A first build takes tens of seconds of one core (three instruction-set copies); say
     # so, or the first step that uses it looks hung. A cached build loads in well under 1 s.
