@@ -37,6 +37,13 @@ class ReplyTo:
     token: bytes = field(repr=False)
 
 
+def head_id(request_id: str) -> str:
+    """The inbox key of a disaggregated choice's first token, which the prefill replica
+    sends ahead of its result (`PrefillServer.prefill_to`); apart from the choice's own key
+    so it cannot be taken for, or reordered with, the decode replica's deltas."""
+    return f"{request_id}/first"
+
+
 @dataclass(frozen=True, slots=True)
 class StreamSummary:
     """What a `generate_to` call returns once its final delta is on the wire."""

@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from ray.serve.handle import DeploymentHandle
+from ray.serve.handle import DeploymentHandle, DeploymentResponse
 
 from app.engine.request import RequestDelta
 from app.serve.delta_inbox import DeltaInbox, DeltaQueue
-from app.serve.delta_wire import ReplyTo
+from app.serve.delta_wire import ReplyTo, head_id
 from app.serve.messages import DecodeRequest, GenerateRequest, RoutingInfo
 from app.serve.metrics import ReplicaMetrics
 from app.serve.normalize import EngineInfo, NormalizedRequest
@@ -35,6 +36,9 @@ _PLACEMENTS = 1024  # placements kept for the debug view; streams never collect 
 # A replica's generate_to returns after its final delta was written to the socket; the
 # frame normally lands first. Past this wait after the return, the choice fails (503).
 FINAL_DELTA_WAIT_S = 10.0
+# Placing the decode call while the prefill runs needs the prefill's result as a ref (a
+# private Ray API, hence the check: without it the decode call follows the prefill).
+_OVERLAP = hasattr(DeploymentResponse, "_to_object_ref")
 
 
 async def _stream(response) -> AsyncIterator[Any]:
@@ -212,14 +216,13 @@ class RequestDriver:
                 admission.admit()  # the engine took it (its refusal would come first)
                 yield delta
             return
-        response = self.prefill.prefill.remote(gen)
-        overlap = hasattr(response, "_to_object_ref") and gen.params.max_tokens > 1
-        if self.inbox is not None and overlap:
-            deltas = self._decode_during_prefill(gen, response, admission)
+        if self.inbox is not None and _OVERLAP and gen.params.max_tokens > 1:
+            deltas = self._decode_during_prefill(gen, admission)
             async with contextlib.aclosing(deltas):
                 async for delta in deltas:
                     yield delta
             return
+        response = self.prefill.prefill.remote(gen)
         try:
             result = await response
         except asyncio.CancelledError:
@@ -247,30 +250,56 @@ class RequestDriver:
             yield delta
 
     async def _decode_during_prefill(
-        self, gen: GenerateRequest, prefill, admission: AdmissionTicket
+        self, gen: GenerateRequest, admission: AdmissionTicket
     ) -> AsyncIterator[RequestDelta]:
         """Disaggregated with the delta channel: the decode call is placed as soon as the
         prefill call has a replica and is given a ref to the prefill's result, which the
         decode replica awaits itself; so the first token waits for the longer of the
-        prefill and the decode assignment, not for both in turn."""
+        prefill and the decode assignment, not for both in turn. The prefill replica sends
+        the first token to the inbox ahead of its result (`PrefillServer.prefill_to`)."""
+        key = head_id(gen.request_id)
+        head = self.inbox.open(key)  # before the call: the token cannot be missed
         try:
-            result_ref = await prefill._to_object_ref()  # once the prefill has a replica
-        except BaseException:
-            prefill.cancel()
-            raise
-        routing = RoutingInfo(gen.routing.num_tokens, gen.routing.chunk_keys, None)
-        message = DecodeRequest(gen, result_ref, routing)
-        first = asyncio.ensure_future(self._prefilled(gen, prefill))
-        start = lambda reply_to: self.decode.generate_to.remote(message, reply_to)  # noqa: E731
-        deltas = _inbox_deltas(self.inbox, gen.request_id, start, admission, first)
-        try:
-            async with contextlib.aclosing(deltas):
-                async for delta in deltas:
-                    yield delta
-        finally:
-            if not first.done():  # refused (429), cancelled or failed before the prefill ended
-                first.cancel()
+            prefill = self.prefill.prefill_to.remote(gen, self.inbox.reply_to)
+            try:
+                result_ref = await prefill._to_object_ref()  # once the prefill has a replica
+            except BaseException:
                 prefill.cancel()
+                raise
+            routing = RoutingInfo(gen.routing.num_tokens, gen.routing.chunk_keys, None)
+            message = DecodeRequest(gen, result_ref, routing)
+            first = asyncio.ensure_future(self._first_token(gen, prefill, head))
+            start = lambda reply_to: self.decode.generate_to.remote(message, reply_to)  # noqa: E731
+            deltas = _inbox_deltas(self.inbox, gen.request_id, start, admission, first)
+            try:
+                async with contextlib.aclosing(deltas):
+                    async for delta in deltas:
+                        yield delta
+            finally:
+                if not first.done():  # refused (429), cancelled or failed before the token
+                    first.cancel()
+                    prefill.cancel()
+        finally:
+            self.inbox.close(key)
+
+    async def _first_token(self, gen: GenerateRequest, prefill, head: DeltaQueue) -> RequestDelta:
+        """The prefill's first token: from the inbox when the replica sent it ahead of its
+        result, else from the result (whose failure raises here)."""
+        result = asyncio.ensure_future(self._prefilled(gen, prefill))
+        early = asyncio.ensure_future(head.get())
+        try:
+            await asyncio.wait({result, early}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            result.cancel()
+            raise
+        finally:
+            early.cancel()
+        if early.done() and not early.cancelled() and early.exception() is None:
+            # The result lands later (placement recorded then); a failure after the token
+            # fails the decode call, which awaits the same result.
+            result.add_done_callback(lambda t: t.cancelled() or t.exception())
+            return dataclasses.replace(early.result(), request_id=gen.request_id)
+        return await result
 
     async def _prefilled(self, gen: GenerateRequest, prefill) -> RequestDelta:
         result = await prefill

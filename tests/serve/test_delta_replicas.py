@@ -13,7 +13,9 @@ from app.serve.colocated import EngineServer
 from app.serve.decode import DecodeServer
 from app.serve.delta_inbox import DeltaInbox
 from app.serve.delta_outbox import DeltaOutbox
+from app.serve.delta_wire import head_id
 from app.serve.messages import DecodeRequest, GenerateRequest, PrefillResult
+from app.serve.prefill import PrefillServer
 from app.serve.streaming import merge
 from serve.test_delta_channel import StepEngine
 
@@ -92,3 +94,73 @@ def test_cancelling_generate_to_aborts_the_engine_request():
         engine, inflight = asyncio.run(main(cls, call))
         assert engine.aborted == ["r-0"] and not engine.running, cls
         assert inflight == 0
+
+
+def test_prefill_to_sends_the_first_token_before_publishing_the_kv():
+    """Disaggregated: the prefill replica sends the first token to the inbox (under
+    `head_id`) as soon as the engine gives it, while the KV publish is still running; the
+    result carries the same token. Seen failing (head.get() timed out) with prefill_to
+    not passing its sender to _prefill."""
+
+    async def main():
+        inbox = await DeltaInbox.start()
+        head = inbox.open(head_id("r-0"))
+        server, release, _ = _publish_held()
+        gen = GenerateRequest("r-0", [1, 2, 3], SamplingParams(max_tokens=1))
+        call = asyncio.ensure_future(server.prefill_to(gen, inbox.reply_to))
+        got = await asyncio.wait_for(head.get(), 10)
+        publishing = not call.done()
+        release.set()
+        result = await call
+        await inbox.stop()
+        return got, publishing, result
+
+    got, publishing, result = asyncio.run(main())
+    assert publishing and got.request_id == head_id("r-0")
+    assert got.new_token_ids == result.first.new_token_ids == [1]
+    assert result.first.request_id == "r-0" and result.first.exported_chunks is None
+
+
+def test_prefill_cancelled_after_its_first_token_still_publishes_the_kv():
+    """A client that leaves after the first token makes Ray cancel the prefill call (a
+    child task of the ingress's cancelled call) while the KV is being published: the
+    publish runs to its end all the same, and the call still ends cancelled. Seen failing
+    (published.wait() timed out) with _prefill awaiting the publish unshielded."""
+
+    async def main():
+        inbox = await DeltaInbox.start()
+        head = inbox.open(head_id("r-0"))
+        server, release, published = _publish_held()
+        gen = GenerateRequest("r-0", [1, 2, 3], SamplingParams(max_tokens=1))
+        call = asyncio.ensure_future(server.prefill_to(gen, inbox.reply_to))
+        await asyncio.wait_for(head.get(), 10)
+        call.cancel()  # what Ray's cancel does to the replica's coroutine
+        await asyncio.wait({call})
+        release.set()
+        await asyncio.wait_for(published.wait(), 10)
+        await inbox.stop()
+        return call
+
+    assert asyncio.run(main()).cancelled()
+
+
+def _publish_held() -> tuple[object, asyncio.Event, asyncio.Event]:
+    """A PrefillServer whose KV publish waits for ``release``, then sets ``published``."""
+    server = _server(PrefillServer, StepEngine())
+    server.host.name = "p"
+    server.host.metrics.timed = lambda deltas, *args, **kwargs: deltas
+    server.host.import_from_store = lambda prompt, salt: _nothing_stored()
+    server._handing_over = set()
+    release, published = asyncio.Event(), asyncio.Event()
+
+    async def publish(exported, reused):
+        await release.wait()
+        published.set()
+        return []
+
+    server._publish = publish
+    return server, release, published
+
+
+async def _nothing_stored():
+    return SimpleNamespace(chunks=[], num_tokens=0, failures=[]), []

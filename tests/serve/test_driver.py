@@ -10,6 +10,7 @@ from app.engine.request import OverloadedError, RequestDelta
 from app.engine.sampling_params import SamplingParams
 from app.serve.delta_inbox import DeltaInbox
 from app.serve.delta_outbox import DeltaOutbox
+from app.serve.delta_wire import head_id
 from app.serve.driver import RequestDriver
 from app.serve.messages import PrefillResult
 from app.serve.metrics import ReplicaMetrics
@@ -186,23 +187,35 @@ class _DecodeCall:
         self.task.cancel()
 
 
-def _overlap_driver(calls, first, rest, refuse=None):
+async def _send_head(reply_to, first: RequestDelta, request_id: str) -> None:
+    """What PrefillServer.prefill_to sends ahead of its result."""
+    link = await DeltaOutbox().link(reply_to)
+    link.send(dataclasses.replace(first, request_id=head_id(request_id)))
+    await link.drained()
+
+
+def _overlap_driver(calls, first, rest, refuse=None, head=False, release=True):
+    """head: the fake prefill sends its token ahead of its result; release: its result
+    comes 50 ms after the decode call was placed (else the test releases it)."""
     state = {}
 
     class Prefill:
-        def remote(self, gen):
+        def remote(self, gen, reply_to):
             calls.append("prefill")
             state["prefill"] = _PrefillCall(calls, PrefillResult(gen.request_id, first, [], "p"))
+            if head:
+                state["head"] = asyncio.ensure_future(_send_head(reply_to, first, gen.request_id))
             return state["prefill"]
 
     class GenerateTo:
         def remote(self, message, reply_to):
             calls.append("decode.generate_to")
             state["decode"] = _DecodeCall(calls, message, reply_to, rest, refuse)
-            asyncio.get_running_loop().call_later(0.05, state["prefill"].release)
+            if release:
+                asyncio.get_running_loop().call_later(0.05, state["prefill"].release)
             return state["decode"]
 
-    prefill = SimpleNamespace(prefill=Prefill(), describe=_Method(calls, "p", DESCRIBE))
+    prefill = SimpleNamespace(prefill_to=Prefill(), describe=_Method(calls, "p", DESCRIBE))
     decode = SimpleNamespace(generate_to=GenerateTo(), describe=_Method(calls, "d", DESCRIBE))
     return prefill, decode, state
 
@@ -260,3 +273,36 @@ def test_a_choice_the_prefill_token_ends_cancels_the_placed_decode_call():
     got, calls, state = _run_overlapped(first, [delta([41], "l", finished=True)])
     assert [d.new_token_ids for d in got] == [[2]] and got[0].finish_reason == "stop"
     assert state["decode"].cancelled
+
+
+def test_the_first_token_is_given_out_before_the_prefill_result_arrives():
+    """The prefill replica sends its token to the inbox ahead of its result (which waits
+    for the KV publish): the ingress gives it out from there, and the rest follows once the
+    result reaches the decode call. The tests above (no token sent ahead) cover the
+    fallback to the result. Seen failing (first() timed out) with _first_token awaiting
+    only the result."""
+    first = delta([40], "He", finished=True)
+    rest = [delta([41], "l"), delta([42, 2], "lo", finished=True, reason="stop")]
+    calls: list[str] = []
+
+    async def go():
+        inbox = await DeltaInbox.start()
+        prefill, decode, state = _overlap_driver(calls, first, rest, head=True, release=False)
+        driver = RequestDriver(
+            ReplicaMetrics("ingress", "test-driver"), prefill=prefill, decode=decode, inbox=inbox
+        )
+        params = SamplingParams(max_tokens=4)
+        req = NormalizedRequest("r", "e", "text_completion", [5, 6, 7], params)
+        try:
+            stream = await driver.start(req)
+            head = await asyncio.wait_for(stream.first(), 10)
+            result_arrived = state["prefill"].ref.done()
+            state["prefill"].release()
+            return head, result_arrived, (await stream.collect(timeout_s=10))[0]
+        finally:
+            await inbox.stop()
+
+    head, result_arrived, later = asyncio.run(go())
+    assert head.new_token_ids == [40] and not result_arrived
+    assert head.text_delta + "".join(d.text_delta for d in later) == "Hello"
+    assert later[-1].finish_reason == "stop"
