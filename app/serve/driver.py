@@ -21,7 +21,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponse
 from app.engine.request import RequestDelta
 from app.serve.delta_inbox import DeltaInbox, DeltaQueue
 from app.serve.delta_wire import ReplyTo, head_id
-from app.serve.messages import DecodeRequest, GenerateRequest, RoutingInfo
+from app.serve.messages import DecodeRequest, GenerateRequest
 from app.serve.metrics import ReplicaMetrics
 from app.serve.normalize import EngineInfo, NormalizedRequest
 from app.serve.responses import (
@@ -87,6 +87,12 @@ async def _result(response) -> Any:
 
 async def _ready(result) -> RequestDelta:
     return result.first
+
+
+def _decode_request(gen: GenerateRequest, prefill) -> DecodeRequest:
+    """The decode call's message; ``prefill``: its result or a ref to it. A routing hint
+    names a prefill replica, so it does not carry over to the decode deployment."""
+    return DecodeRequest(gen, prefill, dataclasses.replace(gen.routing, hint=None))
 
 
 def _call_ended(call: asyncio.Task, queue: DeltaQueue) -> None:
@@ -233,8 +239,7 @@ class RequestDriver:
             admission.admit()
             yield result.first
             return
-        routing = RoutingInfo(gen.routing.num_tokens, gen.routing.chunk_keys, None)
-        message = DecodeRequest(gen, result, routing)
+        message = _decode_request(gen, result)
         if self.inbox is not None:
             start = lambda reply_to: self.decode.generate_to.remote(message, reply_to)  # noqa: E731
             deltas = _inbox_deltas(self.inbox, gen.request_id, start, admission, _ready(result))
@@ -266,8 +271,7 @@ class RequestDriver:
             except BaseException:
                 prefill.cancel()
                 raise
-            routing = RoutingInfo(gen.routing.num_tokens, gen.routing.chunk_keys, None)
-            message = DecodeRequest(gen, result_ref, routing)
+            message = _decode_request(gen, result_ref)
             first = asyncio.ensure_future(self._first_token(gen, prefill, head))
             start = lambda reply_to: self.decode.generate_to.remote(message, reply_to)  # noqa: E731
             deltas = _inbox_deltas(self.inbox, gen.request_id, start, admission, first)

@@ -160,7 +160,7 @@ class _DecodeCall:
     the message, then sends its deltas to the ingress's inbox, like DecodeServer."""
 
     def __init__(self, calls, message, reply_to, deltas, refuse=None):
-        self.calls, self.refuse = calls, refuse
+        self.calls, self.refuse, self.message = calls, refuse, message
         self.cancelled = False
         self.task = asyncio.ensure_future(self._run(message, reply_to, deltas))
 
@@ -220,7 +220,7 @@ def _overlap_driver(calls, first, rest, refuse=None, head=False, release=True):
     return prefill, decode, state
 
 
-def _run_overlapped(first, rest, refuse=None, max_tokens=4):
+def _run_overlapped(first, rest, refuse=None, max_tokens=4, hints=None):
     calls: list[str] = []
 
     async def go():
@@ -230,7 +230,7 @@ def _run_overlapped(first, rest, refuse=None, max_tokens=4):
             ReplicaMetrics("ingress", "test-driver"), prefill=prefill, decode=decode, inbox=inbox
         )
         params = SamplingParams(max_tokens=max_tokens)
-        req = NormalizedRequest("r", "e", "text_completion", [5, 6, 7], params)
+        req = NormalizedRequest("r", "e", "text_completion", [5, 6, 7], params, hints=hints or {})
         try:
             stream = await driver.start(req)
             return (await stream.collect(timeout_s=10))[0], state
@@ -254,6 +254,18 @@ def test_the_decode_call_is_placed_while_the_prefill_runs():
     assert calls[-3:] == ["prefill", "decode.generate_to", "prefill.done"]
     assert "".join(d.text_delta for d in got) == "Hello"
     assert got[-1].finish_reason == "stop" and not state["prefill"].cancelled
+
+
+def test_a_prefill_routing_hint_does_not_follow_the_request_to_the_decode_deployment():
+    """A hint forces a replica index of one deployment (tests place requests with it): the
+    prefill's hint must not pick the decode replica too. Seen failing with the decode
+    message given the request's own routing (hint 1 at the decode call)."""
+    first = delta([40], "He", finished=True)
+    rest = [delta([41], "l"), delta([42, 2], "lo", finished=True, reason="stop")]
+    got, _, state = _run_overlapped(first, rest, hints={"prefill": 1})
+    assert "".join(d.text_delta for d in got) == "Hello"
+    assert state["decode"].message.request.routing.hint == 1  # what the prefill call had
+    assert state["decode"].message.routing.hint is None
 
 
 def test_an_overloaded_decode_deployment_refuses_before_any_byte_and_cancels_the_prefill():
