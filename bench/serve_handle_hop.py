@@ -1,0 +1,104 @@
+"""What one Ray Serve handle call costs before the callee runs, with no engine behind it.
+
+A caller deployment sends bursts of 1 and 8 calls at once to a callee deployment (routed by
+slimserve's `TokenAwareRouter`, as the engine replicas are) whose method only returns how
+long after the caller's `.remote()` it was entered, then holds the call open (like a
+long-lived `generate_to`). That entry latency is the "replica call placed -> generate_to
+entered" stage of the served TTFT trace (docs/performance.md), measured without the model,
+HTTP or token traffic: Serve's own share of it.
+
+    python bench/serve_handle_hop.py [--bursts 10] [--env RAY_SERVE_X=0 ...]
+
+--env sets Ray Serve switches for the whole local Ray (e.g.
+RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0). Writes bench/results/serve_handle_hop.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import write_json  # noqa: E402
+from bench.peer import machine_conditions, median, pct  # noqa: E402
+
+HOLD_S = 0.3  # calls stay open this long after entry, so a burst's calls overlap
+
+
+def deployments():
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    router = RequestRouterConfig(
+        request_router_class="app.serve.router:TokenAwareRouter",
+        request_router_kwargs={"role": "prefill"},
+    )
+
+    @serve.deployment(max_ongoing_requests=32, request_router_config=router)
+    class Callee:
+        async def call(self, sent: float) -> float:
+            entered = time.time() - sent
+            await asyncio.sleep(HOLD_S)
+            return entered
+
+    @serve.deployment
+    class Caller:
+        def __init__(self, callee):
+            self.callee = callee
+
+        async def bursts(self, size: int, count: int) -> list[float]:
+            await self.callee.call.remote(time.time())  # the router learns its replica
+            out: list[float] = []
+            for _ in range(count):
+                calls = [self.callee.call.remote(time.time()) for _ in range(size)]
+                out += await asyncio.gather(*calls)
+                await asyncio.sleep(0.2)
+            return out
+
+    return Caller.bind(Callee.bind())
+
+
+async def measure(caller, bursts: int) -> dict[int, dict]:
+    """Awaited from a loop: a handle whose router shares its caller's loop
+    (RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0) cannot be used from sync code."""
+    rows = {}
+    for size in (1, 8):
+        ms = [x * 1e3 for x in await caller.bursts.remote(size, bursts)]
+        rows[size] = {"calls": len(ms), "entry_ms_p50": median(ms), "entry_ms_p99": pct(ms, 0.99)}
+        print(f"burst of {size}: entered {rows[size]['entry_ms_p50']:.1f} ms p50 after .remote()")
+    from ray import serve
+
+    await serve.shutdown_async()  # on the loop the handle's router may live on
+    return rows
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--bursts", type=int, default=10)
+    p.add_argument("--env", nargs="*", default=[], help="NAME=VALUE for the local Ray")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    env = dict(kv.split("=", 1) for kv in args.env)
+    os.environ.update(env)  # before Ray starts: its workers inherit it
+    import ray
+    from ray import serve
+
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    conditions = machine_conditions()
+    try:
+        caller = serve.run(deployments(), name="hop", route_prefix=None)
+        rows = asyncio.run(measure(caller, args.bursts))
+    finally:
+        ray.shutdown()
+    result = {"env": env, "conditions": conditions, "bursts": args.bursts, "rows": rows}
+    kwargs = {"out_dir": args.out} if args.out else {}
+    write_json("serve_handle_hop", result, **kwargs)
+    return result
+
+
+if __name__ == "__main__":
+    main()
