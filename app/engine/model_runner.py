@@ -38,10 +38,12 @@ class ModelRunner:
         self.block_size = cache.spec.block_size
         self.keep_hidden, self.last_hidden = False, None
         self.graphs: DecodeGraphs | None = None  # decode replays (enable_graphs)
-        if torch.device(device).type == "cpu":  # faster GEMMs there (column_major_linears)
+        if torch.device(device).type == "cpu":
             cpu_kernels.build_all()  # the C++ kernels' first build at start, not in a step
-            column_major_linears(model)
-            pack_cpu_linears(model)  # the C++ float32 linear's weight panels (if built)
+            # The C++ float32 linear's weight panels (if built); its forward never reads the
+            # weight's layout. Without it F.linear runs faster on column-major weights.
+            if not pack_cpu_linears(model):
+                column_major_linears(model)
 
     def enable_graphs(self, max_batch: int, max_len: int, vocab: int, capture=None) -> None:
         """Captures one decode graph per batch bucket up to max_batch (app/engine/cuda_graphs.py).
