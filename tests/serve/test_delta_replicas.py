@@ -103,12 +103,7 @@ def test_prefill_to_sends_the_first_token_before_publishing_the_kv():
     not passing its sender to _prefill."""
 
     async def main():
-        inbox = await DeltaInbox.start()
-        head = inbox.open(head_id("r-0"))
-        server, release, _ = _publish_held()
-        gen = GenerateRequest("r-0", [1, 2, 3], SamplingParams(max_tokens=1))
-        call = asyncio.ensure_future(server.prefill_to(gen, inbox.reply_to))
-        got = await asyncio.wait_for(head.get(), 10)
+        inbox, call, got, release, _ = await _prefill_to_its_head()
         publishing = not call.done()
         release.set()
         result = await call
@@ -128,12 +123,7 @@ def test_prefill_cancelled_after_its_first_token_still_publishes_the_kv():
     (published.wait() timed out) with _prefill awaiting the publish unshielded."""
 
     async def main():
-        inbox = await DeltaInbox.start()
-        head = inbox.open(head_id("r-0"))
-        server, release, published = _publish_held()
-        gen = GenerateRequest("r-0", [1, 2, 3], SamplingParams(max_tokens=1))
-        call = asyncio.ensure_future(server.prefill_to(gen, inbox.reply_to))
-        await asyncio.wait_for(head.get(), 10)
+        inbox, call, _, release, published = await _prefill_to_its_head()
         call.cancel()  # what Ray's cancel does to the replica's coroutine
         await asyncio.wait({call})
         release.set()
@@ -142,6 +132,18 @@ def test_prefill_cancelled_after_its_first_token_still_publishes_the_kv():
         return call
 
     assert asyncio.run(main()).cancelled()
+
+
+async def _prefill_to_its_head():
+    """A `prefill_to` call (publish held) run until its first token reached the inbox:
+    -> (inbox, the call's task, that token, release, published)."""
+    inbox = await DeltaInbox.start()
+    head = inbox.open(head_id("r-0"))
+    server, release, published = _publish_held()
+    gen = GenerateRequest("r-0", [1, 2, 3], SamplingParams(max_tokens=1))
+    call = asyncio.ensure_future(server.prefill_to(gen, inbox.reply_to))
+    got = await asyncio.wait_for(head.get(), 10)
+    return inbox, call, got, release, published
 
 
 def _publish_held() -> tuple[object, asyncio.Event, asyncio.Event]:
