@@ -41,7 +41,11 @@ def build_app(args: dict[str, Any] | ServeArgs) -> serve.Application:
 def _engine_deployment(cls, cfg: ServeArgs, replicas: int, role: str):
     router = RequestRouterConfig(
         request_router_class=TokenAwareRouter,
-        request_router_kwargs={"role": role, "chunk_tokens": cfg.engine.chunk_tokens},
+        request_router_kwargs={
+            "role": role,
+            "chunk_tokens": cfg.engine.chunk_tokens,
+            "deployment": cls.name,  # the direct call channel finds the router by it
+        },
         request_routing_stats_period_s=cfg.routing_stats_period_s,
     )
     return cls.options(

@@ -21,6 +21,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponse
 from app.engine.request import RequestDelta
 from app.serve.delta_inbox import DeltaInbox, DeltaQueue
 from app.serve.delta_wire import ReplyTo, head_id
+from app.serve.direct_calls import DirectCaller
 from app.serve.messages import DecodeRequest, GenerateRequest
 from app.serve.metrics import ReplicaMetrics
 from app.serve.normalize import EngineInfo, NormalizedRequest
@@ -154,12 +155,15 @@ class RequestDriver:
         engine: DeploymentHandle | None = None,
         record_placement: bool = False,
         inbox: DeltaInbox | None = None,
+        direct: DirectCaller | None = None,
     ):
         assert (engine is None) != (prefill is None and decode is None), "one mode"
+        assert direct is None or (engine is not None and inbox is not None), "colocated, socket"
         self.metrics = metrics
         self.prefill, self.decode, self.engine = prefill, decode, engine
         self.record_placement = record_placement
         self.inbox = inbox  # None: deltas come back as Serve streams
+        self.direct = direct  # None: every call is a Serve handle call
         self._info: EngineInfo | None = None
         self.placement: dict[str, dict[str, Any]] = {}  # engine request id -> where it ran
 
@@ -180,6 +184,8 @@ class RequestDriver:
         await self.describe()
         for handle in self.handles:
             await handle.describe.remote()
+        if self.direct is not None:
+            await self.direct.ready()
 
     async def describe(self) -> EngineInfo:
         if self._info is None:
@@ -210,7 +216,7 @@ class RequestDriver:
         self, gen: GenerateRequest, admission: AdmissionTicket
     ) -> AsyncIterator[RequestDelta]:
         if self.engine is not None and self.inbox is not None:
-            start = lambda reply_to: self.engine.generate_to.remote(gen, reply_to)  # noqa: E731
+            start = lambda reply_to: self._generate_to(gen, reply_to)  # noqa: E731
             deltas = _inbox_deltas(self.inbox, gen.request_id, start, admission)
             async with contextlib.aclosing(deltas):  # closing us cancels the call at once
                 async for delta in deltas:
@@ -253,6 +259,13 @@ class RequestDriver:
         yield result.first
         async for delta in _stream(decode):
             yield delta
+
+    def _generate_to(self, gen: GenerateRequest, reply_to: ReplyTo):
+        """The colocated call: direct when a replica can take it, else through Serve."""
+        serve_call = lambda: self.engine.generate_to.remote(gen, reply_to)  # noqa: E731
+        if self.direct is None:
+            return serve_call()
+        return self.direct.call("generate_to", gen, (gen, reply_to), serve_call)
 
     async def _decode_during_prefill(
         self, gen: GenerateRequest, admission: AdmissionTicket

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
@@ -12,9 +13,10 @@ from app.engine.engine import Engine
 from app.engine.request import Request
 from app.engine.sampling_params import SamplingParams
 from app.kvstore.store import KVStoreClient
+from app.serve.call_port import CallPort
 from app.serve.config import ServeArgs
 from app.serve.delta_outbox import DeltaOutbox
-from app.serve.replica import EngineHost
+from app.serve.replica import EngineHost, node_ip
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +35,22 @@ class EngineReplica:
             store = KVStoreClient.from_name(a.store_name, a.store_shards, a.store_capacity_bytes)
         self.host = EngineHost(self.args, store, role=self.role)
         self.outbox = DeltaOutbox()  # the delta channel's links to the ingresses
+        self.calls = self._call_port()  # direct calls from the ingresses, or None
         warm_up(self.host.engine)
+
+    def _call_port(self) -> CallPort | None:
+        """The direct call channel's port (colocated, `call_channel: socket`); Serve runs
+        this constructor on the replica's event loop, where the port then serves."""
+        a = self.args
+        if self.role != "colocated" or a.call_channel != "socket" or a.delta_channel != "socket":
+            return None
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # constructed outside an event loop (unit tests): no port
+            return None
+        port = CallPort(self, node_ip(), a.max_ongoing_requests)
+        self._port_start = loop.create_task(port.start())  # kept: a task must be referenced
+        return port
 
     async def describe(self) -> dict[str, Any]:
         return {**self.host.describe(), "replica": self.host.name}
@@ -42,13 +59,17 @@ class EngineReplica:
         self.host.check_health()
 
     def record_routing_stats(self) -> dict[str, Any]:
-        return self.host.routing_stats()
+        stats = self.host.routing_stats()
+        if self.calls is not None:  # where the ingresses place direct calls
+            stats["call_port"] = self.calls.address.to_stats()
+        return stats
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         return self.host.autoscaling_stats()
 
     async def stats(self) -> dict[str, Any]:
-        return self.host.stats()
+        direct = {"direct_calls": self.calls.calls} if self.calls is not None else {}
+        return {**self.host.stats(), **direct}
 
 
 def warm_up(engine: Engine, prompt_len: int = 33) -> float:

@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException
 
 from app.serve.config import ServeArgs
 from app.serve.delta_inbox import DeltaInbox
+from app.serve.direct_calls import DirectCaller
 from app.serve.driver import RequestDriver
 from app.serve.grpc_servicer import GrpcIngress
 from app.serve.http_input import parse_request, read_limited
@@ -64,8 +65,13 @@ class Ingress(GrpcIngress):  # gRPC adapter: app/serve/grpc_servicer.py
         inbox = None
         if self.args.delta_channel == "socket":  # replicas connect here (docs/performance.md)
             inbox = await DeltaInbox.start(ray.util.get_node_ip_address())
+        direct = None
+        if inbox is not None and engine is not None and self.args.call_channel == "socket":
+            direct = DirectCaller(engine.deployment_name)  # app/serve/direct_calls.py
         hints = self.args.allow_routing_hints
-        self.driver = RequestDriver(metrics, prefill, decode, engine, hints, inbox=inbox)
+        self.driver = RequestDriver(
+            metrics, prefill, decode, engine, hints, inbox=inbox, direct=direct
+        )
         self.normalizer = RequestNormalizer(
             self.args, self.model_name, self.tokenizer, self.driver.describe
         )

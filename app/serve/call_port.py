@@ -1,0 +1,152 @@
+"""Replica side of the direct call channel (app/serve/call_wire.py): a TCP server in the
+replica's event loop that runs the calls ingresses submit, as Serve would run them.
+
+Each accepted call runs the replica's own method (`EngineServer.generate_to`) in a task;
+`Cancel`, or the connection ending (the ingress went away), cancels it, which aborts its
+engine request, as a cancelled Serve call does. A call beyond `max_ongoing` direct calls is
+answered `ReplicaBusy` at once, so the ingress can place it through Serve instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import pickle
+import secrets
+import socket
+from collections.abc import Callable
+
+from app.serve.call_wire import (
+    DIRECT_METHODS,
+    Accepted,
+    CallAddress,
+    Cancel,
+    Ended,
+    ReplicaBusy,
+    Submit,
+)
+from app.serve.delta_wire import TOKEN_BYTES, DeltaChannelError, encode_frame, read_frame
+
+log = logging.getLogger(__name__)
+HANDSHAKE_S = 10.0  # a peer that connects but sends no token is dropped after this
+
+
+class CallPort:
+    """``target``: the object whose DIRECT_METHODS calls run here (the replica).
+    The socket is bound at construction (its address is known at once, e.g. for routing
+    stats built before the loop runs); `start` begins accepting."""
+
+    def __init__(self, target: object, host: str, max_ongoing: int):
+        self.target = target
+        self.max_ongoing = max_ongoing
+        self.ongoing = 0  # direct calls running now, over all connections
+        self.calls = 0  # calls accepted so far (tests, debugging)
+        self._sock = socket.create_server((host, 0))
+        port = self._sock.getsockname()[1]
+        self.address = CallAddress(host, port, secrets.token_bytes(TOKEN_BYTES))
+        self._server: asyncio.Server | None = None
+        self._connections: set[_Connection] = set()
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._serve, sock=self._sock)
+
+    async def stop(self) -> None:
+        """Stops accepting and ends every connection (their calls are cancelled; the
+        ingresses fail them with a retriable error)."""
+        for connection in list(self._connections):
+            connection.close()
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+        else:
+            self._sock.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connection = _Connection(self, writer)
+        self._connections.add(connection)
+        try:
+            if not await self._admitted(reader):
+                log.warning("call port: refused a connection without the token")
+                return
+            while (frame := await read_frame(reader)) is not None:
+                for message in frame:
+                    connection.handle(message)
+        except (DeltaChannelError, ConnectionError) as e:
+            log.warning("call port: a connection from an ingress broke: %s", e)
+        finally:
+            self._connections.discard(connection)
+            connection.close()  # the ingress is gone: nobody reads these calls' deltas
+
+    async def _admitted(self, reader: asyncio.StreamReader) -> bool:
+        with contextlib.suppress(asyncio.IncompleteReadError, asyncio.TimeoutError):
+            token = await asyncio.wait_for(reader.readexactly(TOKEN_BYTES), HANDSHAKE_S)
+            return hmac.compare_digest(token, self.address.token)
+        return False
+
+
+class _Connection:
+    """One ingress's connection: its running calls, by call id."""
+
+    def __init__(self, port: CallPort, writer: asyncio.StreamWriter):
+        self.port, self.writer = port, writer
+        self.tasks: dict[int, asyncio.Task] = {}
+
+    def handle(self, message: object) -> None:
+        if isinstance(message, Cancel):
+            task = self.tasks.get(message.call_id)
+            if task is not None:
+                task.cancel()
+        elif isinstance(message, Submit) and message.method in DIRECT_METHODS:
+            self._start(message)
+        elif isinstance(message, Submit):
+            error = PermissionError(f"{message.method!r} cannot be called directly")
+            _reply(self.writer, Ended(message.call_id, error=error))
+        else:
+            log.warning("call port: ignored an unknown message %r", type(message).__name__)
+
+    def close(self) -> None:
+        for task in self.tasks.values():
+            task.cancel()
+        self.writer.close()
+
+    def _start(self, call: Submit) -> None:
+        port = self.port
+        if port.ongoing >= port.max_ongoing:
+            error = ReplicaBusy(f"{port.ongoing} direct calls running")
+            _reply(self.writer, Ended(call.call_id, error=error))
+            return
+        method: Callable = getattr(port.target, call.method)
+        port.ongoing += 1
+        port.calls += 1
+        _reply(self.writer, Accepted(call.call_id))
+        task = self.tasks[call.call_id] = asyncio.ensure_future(method(*call.args))
+        task.add_done_callback(lambda t: self._ended(call.call_id, t))
+
+    def _ended(self, call_id: int, task: asyncio.Task) -> None:
+        self.port.ongoing -= 1
+        self.tasks.pop(call_id, None)
+        if task.cancelled():
+            return  # cancelled by the ingress (or its connection ended): nobody waits
+        error = task.exception()
+        _reply(self.writer, Ended(call_id, None if error else task.result(), error))
+
+
+def _reply(writer: asyncio.StreamWriter, message: Accepted | Ended) -> None:
+    if writer.is_closing():
+        return
+    if isinstance(message, Ended) and message.error is not None:
+        message = Ended(message.call_id, error=_portable(message.error))
+    writer.write(encode_frame([message]))
+
+
+def _portable(error: BaseException) -> BaseException:
+    """``error`` if it survives a pickle round trip (the ingress must be able to load it),
+    else a RuntimeError naming it (an exception whose __init__ takes other arguments than
+    it passes to BaseException cannot be unpickled)."""
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception as e:  # noqa: BLE001 - any failure: send what can be sent
+        return RuntimeError(f"{type(error).__name__}: {error} (not portable: {e})")

@@ -1,0 +1,69 @@
+"""The direct call channel's wire: calls an ingress places on an engine replica over its own
+TCP connection instead of a Ray Serve handle call (`submit: direct`, docs/performance.md).
+
+One connection per (ingress, replica) pair; the ingress sends its token first, then frames
+of `Submit` / `Cancel`; the replica answers each call with `Accepted` (or `Ended` with a
+`ReplicaBusy` error when it has no room) and later `Ended`. Frames use the delta channel's
+framing (a 4-byte length and a pickled list, `delta_wire`), so the same trust rule holds:
+both ends are processes of one Ray cluster. The deltas of an accepted call still travel
+over the delta channel to the ingress's inbox; this channel carries only the call itself.
+
+Only calls whose arguments and result are plain data go this way: a Ray `ObjectRef`
+pickled outside Ray would be pinned for the life of the job, so the disaggregated calls
+(whose messages carry store refs) stay on Serve handles.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+# The replica methods a direct call may name (each also a Serve method of the deployment).
+DIRECT_METHODS = frozenset({"generate_to"})
+
+
+class ReplicaBusy(RuntimeError):
+    """The replica is at `max_ongoing_requests` direct calls: the ingress places the call
+    through Serve instead (which queues it, or answers 429)."""
+
+
+@dataclass(frozen=True, slots=True)
+class CallAddress:
+    """Where a replica takes direct calls; advertised in its routing stats."""
+
+    host: str
+    port: int
+    token: bytes = field(repr=False)  # the first bytes every connection must send
+
+    def to_stats(self) -> dict[str, Any]:
+        return {"host": self.host, "port": self.port, "token": self.token.hex()}
+
+    @classmethod
+    def from_stats(cls, stats: dict[str, Any] | None) -> CallAddress | None:
+        if not stats:
+            return None
+        return cls(stats["host"], int(stats["port"]), bytes.fromhex(stats["token"]))
+
+
+@dataclass(frozen=True, slots=True)
+class Submit:
+    call_id: int  # unique per connection
+    method: str  # one of DIRECT_METHODS
+    args: tuple[Any, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Cancel:
+    call_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class Accepted:
+    call_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class Ended:
+    call_id: int
+    result: Any = None
+    error: BaseException | None = None  # set: the call failed with it

@@ -1,0 +1,315 @@
+"""The direct call channel without Ray: the ingress's DirectCaller places calls on a real
+CallPort on loopback, which runs the colocated deployment's own `generate_to` over the
+stand-in engine and sends the deltas to a real DeltaInbox. The router is the real
+TokenAwareRouter's policy over stand-in replicas (as in test_router.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+
+import pytest
+
+from app.engine.sampling_params import SamplingParams
+from app.serve.call_port import CallPort
+from app.serve.call_wire import Submit
+from app.serve.colocated import EngineServer
+from app.serve.delta_inbox import DeltaInbox
+from app.serve.delta_wire import DeltaChannelError, encode_frame
+from app.serve.direct_calls import DirectCaller, PortLink
+from app.serve.messages import GenerateRequest, RoutingInfo
+from serve.test_delta_channel import StepEngine, read_all
+from serve.test_delta_replicas import _server
+from serve.test_router import FakeReplica, choose, pending, router
+
+DEPLOYMENT = "EngineServer-test"
+FOREVER = 10**9  # tokens: the request only ends when cancelled
+
+
+class QueueLens:
+    """Serve's per-replica count of its own calls, as the router caches it."""
+
+    def __init__(self, **lens: int):
+        self.lens = lens
+
+    def get(self, replica_id):
+        return self.lens.get(replica_id.unique_id)
+
+
+def registered_router(replicas: list[FakeReplica], **serve_calls: int):
+    r = router()
+    r.initialize_state(role="prefill", chunk_tokens=32, deployment=DEPLOYMENT)
+    r._replicas = {rep.replica_id: rep for rep in replicas}
+    r._replica_queue_len_cache = QueueLens(**serve_calls)
+    return r
+
+
+def replica_at(port: CallPort | None, name: str = "a", **stats) -> FakeReplica:
+    if port is not None:
+        stats["call_port"] = port.address.to_stats()
+    return FakeReplica(name, stats)
+
+
+def gen(rid: str = "r-0", max_tokens: int = 5, tokens: int = 3) -> GenerateRequest:
+    params = SamplingParams(max_tokens=max_tokens)
+    return GenerateRequest(rid, [1] * tokens, params, routing=RoutingInfo(tokens))
+
+
+async def started_port(target, max_ongoing: int = 8) -> CallPort:
+    port = CallPort(target, "127.0.0.1", max_ongoing)
+    await port.start()
+    return port
+
+
+def no_fallback():
+    raise AssertionError("the call went through Serve, not direct")
+
+
+async def until(predicate, within_s: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + within_s
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+def test_a_direct_call_runs_generate_to_and_its_deltas_reach_the_inbox():
+    async def main():
+        inbox = await DeltaInbox.start()
+        server = _server(EngineServer, StepEngine())
+        port = await started_port(server)
+        registered_router([replica_at(port)])
+        caller = DirectCaller(DEPLOYMENT)
+        queue = inbox.open("r-0")
+        g = gen()
+        placed = caller.call("generate_to", g, (g, inbox.reply_to), no_fallback)
+        summary = await asyncio.wait_for(placed, 10)
+        deltas = await asyncio.wait_for(read_all(queue), 10)
+        await until(lambda: caller.ongoing(replica_at(None).replica_id) == 0)
+        caller.close()
+        await port.stop()
+        await inbox.stop()
+        return placed.via, summary, deltas, port
+
+    via, summary, deltas, port = asyncio.run(main())
+    assert via == "direct" and port.calls == 1 and port.ongoing == 0
+    assert summary.num_tokens == 5
+    assert [t for d in deltas for t in d.new_token_ids] == [1, 2, 3, 4, 5]
+
+
+def test_cancelling_a_direct_call_aborts_the_engine_request():
+    """Seen failing (the request kept running) with the port ignoring `Cancel`."""
+
+    async def main():
+        inbox = await DeltaInbox.start()
+        engine = StepEngine()
+        port = await started_port(_server(EngineServer, engine))
+        registered_router([replica_at(port)])
+        caller = DirectCaller(DEPLOYMENT)
+        queue = inbox.open("r-0")
+        g = gen(max_tokens=FOREVER)
+        placed = caller.call("generate_to", g, (g, inbox.reply_to), no_fallback)
+        await asyncio.wait_for(queue.get(), 10)  # it runs
+        placed.cancel()
+        await until(lambda: engine.aborted == ["r-0"] and port.ongoing == 0)
+        caller.close()
+        await port.stop()
+        await inbox.stop()
+
+    asyncio.run(main())
+
+
+def test_the_ingress_going_away_cancels_its_calls_on_the_replica():
+    async def main():
+        inbox = await DeltaInbox.start()
+        engine = StepEngine()
+        port = await started_port(_server(EngineServer, engine))
+        registered_router([replica_at(port)])
+        caller = DirectCaller(DEPLOYMENT)
+        queue = inbox.open("r-0")
+        g = gen(max_tokens=FOREVER)
+        caller.call("generate_to", g, (g, inbox.reply_to), no_fallback)
+        await asyncio.wait_for(queue.get(), 10)
+        caller.close()  # the ingress's connection ends
+        await until(lambda: engine.aborted == ["r-0"] and port.ongoing == 0)
+        await port.stop()
+        await inbox.stop()
+
+    asyncio.run(main())
+
+
+def test_a_replica_that_goes_away_fails_its_accepted_calls_retriably_without_a_retry():
+    """A call the replica accepted may have produced tokens: it fails (503), it is never
+    placed a second time through Serve."""
+
+    async def main():
+        inbox = await DeltaInbox.start()
+        port = await started_port(_server(EngineServer, StepEngine()))
+        registered_router([replica_at(port)])
+        caller = DirectCaller(DEPLOYMENT)
+        queue = inbox.open("r-0")
+        g = gen(max_tokens=FOREVER)
+        placed = caller.call("generate_to", g, (g, inbox.reply_to), no_fallback)
+        await asyncio.wait_for(queue.get(), 10)
+        await port.stop()
+        with pytest.raises(DeltaChannelError):
+            await asyncio.wait_for(placed, 10)
+        await inbox.stop()
+
+    asyncio.run(main())
+
+
+def test_a_busy_or_unreachable_replica_sends_the_call_through_serve():
+    """The port refuses beyond its max_ongoing (ReplicaBusy); a port nobody listens on
+    cannot be connected: both go to the fallback, and release their direct count."""
+
+    async def fallback_result():
+        return "through serve"
+
+    async def main(max_ongoing: int, listening: bool):
+        server = _server(EngineServer, StepEngine())
+        port = await started_port(server, max_ongoing=max_ongoing)
+        if not listening:
+            await port.stop()
+        replica = replica_at(port)
+        registered_router([replica])
+        caller = DirectCaller(DEPLOYMENT)
+        g = gen()
+        placed = caller.call("generate_to", g, (g, None), fallback_result)
+        result = await asyncio.wait_for(placed, 10)
+        ongoing = caller.ongoing(replica.replica_id)
+        caller.close()
+        await port.stop()
+        return placed.via, result, ongoing, port.calls
+
+    assert asyncio.run(main(max_ongoing=0, listening=True)) == ("serve", "through serve", 0, 0)
+    assert asyncio.run(main(max_ongoing=8, listening=False)) == ("serve", "through serve", 0, 0)
+
+
+def test_errors_reach_the_ingress_as_their_own_type():
+    class Target:
+        async def generate_to(self, g, reply_to):
+            raise ValueError(f"prompt too long: {len(g.prompt_token_ids)}")
+
+    class Unportable(Exception):
+        def __init__(self, a, b):
+            super().__init__(f"{a}{b}")
+
+    class Broken:
+        async def generate_to(self, g, reply_to):
+            raise Unportable(1, 2)
+
+    async def main(target):
+        port = await started_port(target)
+        registered_router([replica_at(port)])
+        caller = DirectCaller(DEPLOYMENT)
+        g = gen()
+        try:
+            await asyncio.wait_for(caller.call("generate_to", g, (g, None), no_fallback), 10)
+        except Exception as e:  # noqa: BLE001 - the error is the result
+            return e
+        finally:
+            caller.close()
+            await port.stop()
+
+    error = asyncio.run(main(Target()))
+    assert isinstance(error, ValueError) and "prompt too long: 3" in str(error)
+    error = asyncio.run(main(Broken()))  # cannot be unpickled: sent as a RuntimeError
+    assert isinstance(error, RuntimeError) and "Unportable" in str(error)
+
+
+def test_a_connection_without_the_token_is_closed_and_runs_nothing():
+    ran = []
+
+    class Target:
+        async def generate_to(self, *args):
+            ran.append(args)
+
+    async def main():
+        port = await started_port(Target())
+        frame = encode_frame([Submit(0, "generate_to", (1, 2))])
+        reader, writer = await asyncio.open_connection("127.0.0.1", port.address.port)
+        writer.write(b"x" * 16 + frame)
+        got = await asyncio.wait_for(reader.read(), 10)  # EOF: closed unread
+        writer.close()
+        await port.stop()
+        return got
+
+    assert asyncio.run(main()) == b"" and ran == []
+
+
+def test_only_the_allowed_methods_can_be_called():
+    class Target:
+        async def generate_to(self, *args):
+            return "ok"
+
+        async def stats(self):
+            raise AssertionError("not a direct method")
+
+    async def main():
+        port = await started_port(Target())
+        link = PortLink(port.address)
+        await link.connected()
+        refused = link.submit("stats", ())
+        allowed = link.submit("generate_to", ())
+        result = await asyncio.wait_for(allowed.result, 10)
+        with pytest.raises(PermissionError, match="stats"):
+            await asyncio.wait_for(refused.result, 10)
+        link.close()
+        await port.stop()
+        return result, port.calls
+
+    assert asyncio.run(main()) == ("ok", 1)
+
+
+def test_the_chooser_takes_the_cheapest_replica_with_room_and_an_address():
+    async def main():
+        ports = [await started_port(object()) for _ in range(3)]
+        busy = replica_at(ports[0], "a", inflight_tokens=900)
+        idle = replica_at(ports[1], "b", inflight_tokens=100)
+        silent = FakeReplica("c", {"inflight_tokens": 0})  # no address advertised yet
+        registered_router([busy, idle, silent])
+        caller = DirectCaller(DEPLOYMENT)
+        first = caller._choose(gen(tokens=200))
+        registered_router([busy, idle, silent], b=8)  # Serve's own calls fill "b"
+        second = caller._choose(gen(tokens=200))
+        hinted = caller._choose(GenerateRequest("h", [1], None, routing=RoutingInfo(1, (), 0)))
+        registered_router([silent])
+        none = caller._choose(gen())
+        for port in ports:
+            await port.stop()
+        return first, second, hinted, none
+
+    first, second, hinted, none = asyncio.run(main())
+    assert first[0].unique_id == "b" and second[0].unique_id == "a"
+    assert hinted[0].unique_id == "a"  # index 0 in replica-id order, as the router does
+    assert none is None  # nothing to call directly: the Serve handle places it
+
+
+def test_the_router_leaves_replicas_filled_by_direct_calls_to_serves_queue():
+    """Direct calls and Serve's calls share max_ongoing_requests: the router skips a
+    replica the ingress's direct calls fill, and returns nothing (the request waits in
+    Serve's queue, or gets 429) when they fill all. Seen failing without the filter."""
+
+    class Direct:
+        def __init__(self, **n):
+            self.n = n
+
+        def ongoing(self, replica_id):
+            return self.n.get(replica_id.unique_id, 0)
+
+    a, b = FakeReplica("a", max_ongoing_requests=2), FakeReplica("b", max_ongoing_requests=2)
+    r = registered_router([a, b], a=1)
+    r.direct = Direct(a=1)  # a: 1 direct + 1 Serve call = full
+    assert choose(r, [a, b], pending(10)) == ["b"]
+    r.direct = Direct(a=2, b=2)
+    assert choose(r, [a, b], pending(10)) == []
+    r.direct = Direct()
+    assert sorted(choose(r, [a, b], pending(10))) == ["a", "b"]
+
+
+def test_call_addresses_survive_routing_stats_and_keep_the_token_out_of_reprs():
+    port = CallPort(object(), "127.0.0.1", 1)
+    stats = pickle.loads(pickle.dumps(port.address.to_stats()))  # as Serve ships them
+    assert type(port.address).from_stats(stats) == port.address
+    assert port.address.token.hex() not in repr(port.address)
+    port._sock.close()
