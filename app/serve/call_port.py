@@ -1,10 +1,11 @@
 """Replica side of the direct call channel (app/serve/call_wire.py): a TCP server in the
 replica's event loop that runs the calls ingresses submit, as Serve would run them.
 
-Each accepted call runs the replica's own method (`EngineServer.generate_to`) in a task;
-`Cancel`, or the connection ending (the ingress went away), cancels it, which aborts its
-engine request, as a cancelled Serve call does. A call beyond `max_ongoing` direct calls is
-answered `ReplicaBusy` at once, so the ingress can place it through Serve instead.
+Each accepted call runs the replica's own method (`EngineServer.run_generate_to`, what its
+Serve method `generate_to` runs) in a task; `Cancel`, or the connection ending (the ingress
+went away), cancels it, which aborts its engine request, as a cancelled Serve call does. A
+call needs one of the replica's `Slots` (its `max_ongoing_requests`, shared with Serve's
+calls) at once, else it is answered `ReplicaBusy`, and the ingress places it through Serve.
 """
 
 from __future__ import annotations
@@ -28,19 +29,21 @@ from app.serve.call_wire import (
     Submit,
 )
 from app.serve.delta_wire import TOKEN_BYTES, DeltaChannelError, encode_frame, read_frame
+from app.serve.slots import Slots
 
 log = logging.getLogger(__name__)
 HANDSHAKE_S = 10.0  # a peer that connects but sends no token is dropped after this
 
 
 class CallPort:
-    """``target``: the object whose DIRECT_METHODS calls run here (the replica).
-    The socket is bound at construction (its address is known at once, e.g. for routing
-    stats built before the loop runs); `start` begins accepting."""
+    """``target``: the object whose DIRECT_METHODS run here (the replica); ``slots``: its
+    share of max_ongoing_requests. The socket is bound at construction (its address is
+    known at once, e.g. for routing stats built before the loop runs); `start` begins
+    accepting."""
 
-    def __init__(self, target: object, host: str, max_ongoing: int):
+    def __init__(self, target: object, host: str, slots: Slots):
         self.target = target
-        self.max_ongoing = max_ongoing
+        self.slots = slots
         self.ongoing = 0  # direct calls running now, over all connections
         self.calls = 0  # calls accepted so far (tests, debugging)
         self._sock = socket.create_server((host, 0))
@@ -113,11 +116,11 @@ class _Connection:
 
     def _start(self, call: Submit) -> None:
         port = self.port
-        if port.ongoing >= port.max_ongoing:
-            error = ReplicaBusy(f"{port.ongoing} direct calls running")
+        if not port.slots.try_take():
+            error = ReplicaBusy(f"all {port.slots.total} slots taken")
             _reply(self.writer, Ended(call.call_id, error=error))
             return
-        method: Callable = getattr(port.target, call.method)
+        method: Callable = getattr(port.target, DIRECT_METHODS[call.method])
         port.ongoing += 1
         port.calls += 1
         _reply(self.writer, Accepted(call.call_id))
@@ -126,6 +129,7 @@ class _Connection:
 
     def _ended(self, call_id: int, task: asyncio.Task) -> None:
         self.port.ongoing -= 1
+        self.port.slots.release()
         self.tasks.pop(call_id, None)
         if task.cancelled():
             return  # cancelled by the ingress (or its connection ended): nobody waits

@@ -18,13 +18,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-# The replica methods a direct call may name (each also a Serve method of the deployment).
-DIRECT_METHODS = frozenset({"generate_to"})
+# The calls a direct call may name (each also a Serve method of the deployment) -> the
+# replica method that runs it once the call has its slot (`Slots`; the Serve method waits
+# for one itself).
+DIRECT_METHODS = {"generate_to": "run_generate_to"}
 
 
 class ReplicaBusy(RuntimeError):
-    """The replica is at `max_ongoing_requests` direct calls: the ingress places the call
-    through Serve instead (which queues it, or answers 429)."""
+    """The replica has no free slot (`max_ongoing_requests`, shared with Serve's calls): the
+    ingress places the call through Serve instead (which queues it, or answers 429)."""
 
 
 @dataclass(frozen=True, slots=True)

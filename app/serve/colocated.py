@@ -38,7 +38,13 @@ class EngineServer(EngineReplica):
         """Sends the deltas to the ingress's inbox (`delta_channel: socket`, one frame per
         engine step for all of that ingress's requests); returns once the final delta is
         on the wire. Serve counts the request as ongoing until then; cancelling this call
-        aborts the engine request at once."""
+        aborts the engine request at once. Runs once the call has one of the replica's
+        slots, which it shares with direct calls (app/serve/slots.py)."""
+        async with self.slots.held():
+            return await self.run_generate_to(req, reply_to)
+
+    async def run_generate_to(self, req: GenerateRequest, reply_to: ReplyTo) -> StreamSummary:
+        """`generate_to` with its slot held (the direct call channel runs this)."""
         host = self.host
         link = await self.outbox.link(reply_to)
         tokens = 0

@@ -17,6 +17,7 @@ from app.serve.call_port import CallPort
 from app.serve.config import ServeArgs
 from app.serve.delta_outbox import DeltaOutbox
 from app.serve.replica import EngineHost, node_ip
+from app.serve.slots import Slots
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,7 @@ class EngineReplica:
             store = KVStoreClient.from_name(a.store_name, a.store_shards, a.store_capacity_bytes)
         self.host = EngineHost(self.args, store, role=self.role)
         self.outbox = DeltaOutbox()  # the delta channel's links to the ingresses
+        self.slots = Slots(self.args.max_ongoing_requests)  # shared by Serve and direct calls
         self.calls = self._call_port()  # direct calls from the ingresses, or None
         warm_up(self.host.engine)
 
@@ -48,7 +50,7 @@ class EngineReplica:
             loop = asyncio.get_running_loop()
         except RuntimeError:  # constructed outside an event loop (unit tests): no port
             return None
-        port = CallPort(self, node_ip(), a.max_ongoing_requests)
+        port = CallPort(self, node_ip(), self.slots)
         self._port_start = loop.create_task(port.start())  # kept: a task must be referenced
         return port
 

@@ -18,6 +18,7 @@ from app.serve.delta_inbox import DeltaInbox
 from app.serve.delta_wire import DeltaChannelError, encode_frame
 from app.serve.direct_calls import DirectCaller, PortLink
 from app.serve.messages import GenerateRequest, RoutingInfo
+from app.serve.slots import Slots
 from serve.test_delta_channel import StepEngine, read_all
 from serve.test_delta_replicas import _server
 from serve.test_router import FakeReplica, choose, pending, router
@@ -55,8 +56,10 @@ def gen(rid: str = "r-0", max_tokens: int = 5, tokens: int = 3) -> GenerateReque
     return GenerateRequest(rid, [1] * tokens, params, routing=RoutingInfo(tokens))
 
 
-async def started_port(target, max_ongoing: int = 8) -> CallPort:
-    port = CallPort(target, "127.0.0.1", max_ongoing)
+async def started_port(target, max_ongoing: int | None = None) -> CallPort:
+    """On the target's own slots, or on ``max_ongoing`` new ones."""
+    slots = Slots(max_ongoing) if max_ongoing is not None else getattr(target, "slots", Slots(8))
+    port = CallPort(target, "127.0.0.1", slots)
     await port.start()
     return port
 
@@ -159,7 +162,7 @@ def test_a_replica_that_goes_away_fails_its_accepted_calls_retriably_without_a_r
 
 
 def test_a_busy_or_unreachable_replica_sends_the_call_through_serve():
-    """The port refuses beyond its max_ongoing (ReplicaBusy); a port nobody listens on
+    """The port refuses when no slot is free (ReplicaBusy); a port nobody listens on
     cannot be connected: both go to the fallback, and release their direct count."""
 
     async def fallback_result():
@@ -187,7 +190,7 @@ def test_a_busy_or_unreachable_replica_sends_the_call_through_serve():
 
 def test_errors_reach_the_ingress_as_their_own_type():
     class Target:
-        async def generate_to(self, g, reply_to):
+        async def run_generate_to(self, g, reply_to):
             raise ValueError(f"prompt too long: {len(g.prompt_token_ids)}")
 
     class Unportable(Exception):
@@ -195,7 +198,7 @@ def test_errors_reach_the_ingress_as_their_own_type():
             super().__init__(f"{a}{b}")
 
     class Broken:
-        async def generate_to(self, g, reply_to):
+        async def run_generate_to(self, g, reply_to):
             raise Unportable(1, 2)
 
     async def main(target):
@@ -221,7 +224,7 @@ def test_a_connection_without_the_token_is_closed_and_runs_nothing():
     ran = []
 
     class Target:
-        async def generate_to(self, *args):
+        async def run_generate_to(self, *args):
             ran.append(args)
 
     async def main():
@@ -239,7 +242,7 @@ def test_a_connection_without_the_token_is_closed_and_runs_nothing():
 
 def test_only_the_allowed_methods_can_be_called():
     class Target:
-        async def generate_to(self, *args):
+        async def run_generate_to(self, *args):
             return "ok"
 
         async def stats(self):
@@ -308,8 +311,72 @@ def test_the_router_leaves_replicas_filled_by_direct_calls_to_serves_queue():
 
 
 def test_call_addresses_survive_routing_stats_and_keep_the_token_out_of_reprs():
-    port = CallPort(object(), "127.0.0.1", 1)
+    port = CallPort(object(), "127.0.0.1", Slots(1))
     stats = pickle.loads(pickle.dumps(port.address.to_stats()))  # as Serve ships them
     assert type(port.address).from_stats(stats) == port.address
     assert port.address.token.hex() not in repr(port.address)
     port._sock.close()
+
+
+def test_serve_calls_and_direct_calls_share_the_replicas_slots():
+    """One slot: while a Serve-placed `generate_to` holds it a direct call is refused
+    (and goes through Serve); a Serve call that arrives while a direct call holds it waits
+    and runs after. Seen failing (both ran at once) with the Serve method not taking a
+    slot."""
+
+    async def main():
+        inbox = await DeltaInbox.start()
+        engine = StepEngine()
+        server = _server(EngineServer, engine)
+        server.slots = Slots(1)
+        port = await started_port(server)
+        registered_router([replica_at(port)])
+        caller = DirectCaller(DEPLOYMENT)
+        long, short = gen("long", max_tokens=FOREVER), gen("short", max_tokens=3)
+        inbox.open("long")
+        serve_call = asyncio.ensure_future(server.generate_to(long, inbox.reply_to))
+        await until(lambda: "long" in engine.running)
+
+        async def through_serve():
+            return "through serve"
+
+        placed = caller.call("generate_to", short, (short, inbox.reply_to), through_serve)
+        refused = await asyncio.wait_for(placed, 10), placed.via
+        serve_call.cancel()
+        await until(lambda: server.slots.free == 1)
+
+        queue = inbox.open("short")
+        direct = caller.call("generate_to", long, (long, inbox.reply_to), no_fallback)
+        await until(lambda: "long" in engine.running)
+        waiting = asyncio.ensure_future(server.generate_to(short, inbox.reply_to))
+        await asyncio.sleep(0.2)
+        ran_beside = "short" in engine.running or engine.steps and queue.finished
+        direct.cancel()
+        summary = await asyncio.wait_for(waiting, 10)  # runs once the direct call ended
+        caller.close()
+        await port.stop()
+        await inbox.stop()
+        return refused, ran_beside, summary.num_tokens, server.slots.free
+
+    refused, ran_beside, tokens, free = asyncio.run(main())
+    assert refused == ("through serve", "serve")
+    assert not ran_beside and tokens == 3 and free == 1
+
+
+def test_slots_go_to_waiting_calls_first_and_a_cancelled_wait_leaks_none():
+    async def main():
+        slots = Slots(1)
+        assert slots.try_take()
+        waiter = asyncio.ensure_future(slots.take())
+        await asyncio.sleep(0)
+        slots.release()  # handed to the waiter, not freed
+        grabbed = slots.try_take()
+        await waiter
+        gone = asyncio.ensure_future(slots.take())
+        await asyncio.sleep(0)
+        gone.cancel()  # waiting: leaves the queue
+        await asyncio.sleep(0)
+        slots.release()
+        return grabbed, slots.free, slots.try_take()
+
+    assert asyncio.run(main()) == (False, 1, True)

@@ -16,6 +16,7 @@ from app.serve.delta_outbox import DeltaOutbox
 from app.serve.delta_wire import head_id
 from app.serve.messages import DecodeRequest, GenerateRequest, PrefillResult
 from app.serve.prefill import PrefillServer
+from app.serve.slots import Slots
 from app.serve.streaming import merge
 from serve.test_delta_channel import StepEngine
 
@@ -23,6 +24,7 @@ from serve.test_delta_channel import StepEngine
 def _server(cls, engine: StepEngine):
     server = object.__new__(cls.func_or_class)  # the deployment's class, not started
     server.outbox = DeltaOutbox()
+    server.slots = Slots(8)
     server.host = SimpleNamespace(
         inflight_tokens=0,
         async_engine=AsyncEngine(engine),
