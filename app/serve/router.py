@@ -82,6 +82,10 @@ class TokenAwareRouter(FIFOMixin, RequestRouter):
         if self.direct is not None:
             # Empty when direct calls fill every replica: the request waits in Serve's queue.
             available = [r for r in available if self._has_room(r)]
+        if pending_request is not None:
+            # No locality stages here: an empty choice must back off before the next try,
+            # not spin (Serve retries at once while this flag is unset).
+            pending_request.routing_context.should_backoff = True
         ranked = sorted(available, key=lambda r: self.cost(r, info))
         return [[r] for r in ranked]
 

@@ -33,7 +33,9 @@ def router(role="prefill") -> TokenAwareRouter:
 
 def pending(num_tokens, keys=(), hint=None, rid="r1"):
     req = GenerateRequest("x", [1] * num_tokens, None, routing=RoutingInfo(num_tokens, keys, hint))
-    return SimpleNamespace(args=[req], metadata=SimpleNamespace(internal_request_id=rid))
+    metadata = SimpleNamespace(internal_request_id=rid)
+    context = SimpleNamespace(should_backoff=False)  # Serve's RequestRoutingContext
+    return SimpleNamespace(args=[req], metadata=metadata, routing_context=context)
 
 
 def choose(r, replicas, pr):
