@@ -67,7 +67,7 @@ def deployments():
     class Caller:
         def __init__(self, callee):
             self.callee = callee
-            self.direct = DirectCaller("Callee")
+            self.direct = DirectCaller("hop", "Callee")
 
         def _place(self, direct: bool):
             sent = time.time()

@@ -51,13 +51,27 @@ class CallPort:
         self.address = CallAddress(host, port, secrets.token_bytes(TOKEN_BYTES))
         self._server: asyncio.Server | None = None
         self._connections: set[_Connection] = set()
+        self.serving = False  # accepting connections (advertise the address only then)
+        self.draining = False  # shutting down: new calls are refused (ReplicaBusy)
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._serve, sock=self._sock)
+        self.serving = True
+
+    async def drain(self, within_s: float) -> None:
+        """Replica shutdown: refuses new calls, lets the running ones end (within
+        ``within_s``), then stops. Serve's own graceful drain waits only for its calls."""
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + within_s
+        while self.ongoing and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        await self.stop()
 
     async def stop(self) -> None:
         """Stops accepting and ends every connection (their calls are cancelled; the
         ingresses fail them with a retriable error)."""
+        self.serving = False
         for connection in list(self._connections):
             connection.close()
         if self._server is not None:
@@ -76,8 +90,8 @@ class CallPort:
             while (frame := await read_frame(reader)) is not None:
                 for message in frame:
                     connection.handle(message)
-        except (DeltaChannelError, ConnectionError) as e:
-            log.warning("call port: a connection from an ingress broke: %s", e)
+        except Exception as e:  # noqa: BLE001 - any failure ends this connection only
+            log.warning("call port: a connection from an ingress broke: %r", e)
         finally:
             self._connections.discard(connection)
             connection.close()  # the ingress is gone: nobody reads these calls' deltas
@@ -95,11 +109,13 @@ class _Connection:
     def __init__(self, port: CallPort, writer: asyncio.StreamWriter):
         self.port, self.writer = port, writer
         self.tasks: dict[int, asyncio.Task] = {}
+        self.cancelled: set[int] = set()  # calls the ingress cancelled (no answer owed)
 
     def handle(self, message: object) -> None:
         if isinstance(message, Cancel):
             task = self.tasks.get(message.call_id)
             if task is not None:
+                self.cancelled.add(message.call_id)
                 task.cancel()
         elif isinstance(message, Submit) and message.method in DIRECT_METHODS:
             self._start(message)
@@ -110,29 +126,40 @@ class _Connection:
             log.warning("call port: ignored an unknown message %r", type(message).__name__)
 
     def close(self) -> None:
+        self.cancelled.update(self.tasks)  # the ingress is gone: no answer owed
         for task in self.tasks.values():
             task.cancel()
         self.writer.close()
 
     def _start(self, call: Submit) -> None:
         port = self.port
-        if not port.slots.try_take():
-            error = ReplicaBusy(f"all {port.slots.total} slots taken")
+        method: Callable = getattr(port.target, DIRECT_METHODS[call.method])
+        try:
+            run = method(*call.args)  # before a slot is taken: a bad call takes none
+        except Exception as e:  # noqa: BLE001 - e.g. arguments of another version
+            _reply(self.writer, Ended(call.call_id, error=e))
+            return
+        if port.draining or not port.slots.try_take():
+            run.close()
+            error = ReplicaBusy("shutting down" if port.draining else "no free slot")
             _reply(self.writer, Ended(call.call_id, error=error))
             return
-        method: Callable = getattr(port.target, DIRECT_METHODS[call.method])
         port.ongoing += 1
         port.calls += 1
         _reply(self.writer, Accepted(call.call_id))
-        task = self.tasks[call.call_id] = asyncio.ensure_future(method(*call.args))
+        task = self.tasks[call.call_id] = asyncio.ensure_future(run)
         task.add_done_callback(lambda t: self._ended(call.call_id, t))
 
     def _ended(self, call_id: int, task: asyncio.Task) -> None:
         self.port.ongoing -= 1
         self.port.slots.release()
         self.tasks.pop(call_id, None)
-        if task.cancelled():
+        if call_id in self.cancelled:
+            self.cancelled.discard(call_id)
             return  # cancelled by the ingress (or its connection ended): nobody waits
+        if task.cancelled():  # cancelled here, not by the ingress, which still waits
+            _reply(self.writer, Ended(call_id, error=DeltaChannelError("cancelled on the replica")))
+            return
         error = task.exception()
         _reply(self.writer, Ended(call_id, None if error else task.result(), error))
 

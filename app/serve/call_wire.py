@@ -1,5 +1,5 @@
 """The direct call channel's wire: calls an ingress places on an engine replica over its own
-TCP connection instead of a Ray Serve handle call (`submit: direct`, docs/performance.md).
+TCP connection instead of a Ray Serve handle call (`call_channel: socket`, docs/serving.md).
 
 One connection per (ingress, replica) pair; the ingress sends its token first, then frames
 of `Submit` / `Cancel`; the replica answers each call with `Accepted` (or `Ended` with a

@@ -1,161 +1,47 @@
 """Ingress side of the direct call channel (app/serve/call_wire.py): places a colocated
-choice's `generate_to` on an engine replica over one reused TCP connection per replica,
-instead of a Serve handle call (measured: a handle call is entered ~4.7 ms after
-`.remote()` alone and ~10 ms in a burst of 8; docs/performance.md).
+choice's `generate_to` on an engine replica over one reused TCP connection per replica
+(`PortLink`), instead of a Serve handle call (measured: a handle call is entered 2-5 ms
+after `.remote()` alone and 7-10 ms in a burst of 8, a direct one 0.4-0.9 ms;
+docs/performance.md).
 
 Which replica: the same token cost as the handle's `TokenAwareRouter` (whose replica list
 and routing stats, which carry each replica's call address, this reads), plus the tokens
 of the direct calls this ingress has in flight there; a routing hint picks the replica of
 that index as the router does. The handle call stays the fallback, and is what runs when
-no replica advertises an address yet, when every replica has `max_ongoing_requests` direct
-calls from here, when the connection cannot be opened, or when the replica answers
-`ReplicaBusy`; Serve then queues the call or answers 429, as without this channel.
+no replica advertises an address yet, when no replica has room, when requests already wait
+in Serve's queue (they go first), when the connection cannot be opened (the address is
+then avoided for `UNREACHABLE_S`), or when the replica answers `ReplicaBusy`; Serve then
+queues the call or answers 429, as without this channel.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
 from ray.serve.request_router import ReplicaID
 
-from app.serve.call_wire import Accepted, CallAddress, Cancel, Ended, ReplicaBusy, Submit
-from app.serve.delta_wire import DeltaChannelError, encode_frame, read_frame
+from app.serve.call_wire import CallAddress, ReplicaBusy
+from app.serve.delta_wire import DeltaChannelError
 from app.serve.messages import GenerateRequest
+from app.serve.port_link import DirectCall, PortLink
 from app.serve.router import TokenAwareRouter
 from app.serve.router_registry import router_for
 
 log = logging.getLogger(__name__)
-CONNECT_S = 10.0
 READY_S = 5.0  # at start: routing stats come every routing_stats_period_s (0.5 s default)
-
-
-class DirectCall:
-    """One call placed on a `PortLink`: `accepted` resolves when the replica took it,
-    `result` with its return value (or error)."""
-
-    def __init__(self, link: PortLink, call_id: int):
-        loop = asyncio.get_running_loop()
-        self.link, self.call_id = link, call_id
-        self.accepted: asyncio.Future[None] = loop.create_future()
-        self.result: asyncio.Future[Any] = loop.create_future()
-
-    def cancel(self) -> None:
-        if not self.result.done():
-            self.link.cancel(self.call_id)
-
-    def _settle(self, message: Accepted | Ended) -> None:
-        if not self.accepted.done():
-            if isinstance(message, Ended) and message.error is not None:
-                self.accepted.set_exception(message.error)
-            else:
-                self.accepted.set_result(None)
-        if isinstance(message, Ended) and not self.result.done():
-            if message.error is not None:
-                self.result.set_exception(message.error)
-            else:
-                self.result.set_result(message.result)
-        # Retrieved here: a caller that stopped waiting must not log "never retrieved".
-        for f in (self.accepted, self.result):
-            if f.done() and not f.cancelled():
-                f.exception()
-
-    def _fail(self, error: BaseException) -> None:
-        self._settle(Ended(self.call_id, error=error))
-
-
-class PortLink:
-    """The connection from this ingress to one replica's call port."""
-
-    def __init__(self, address: CallAddress):
-        self.address = address
-        self.error: DeltaChannelError | None = None  # set once broken; a new link replaces it
-        self._ids = itertools.count()
-        self._calls: dict[int, DirectCall] = {}
-        self._writer: asyncio.StreamWriter | None = None
-        self._opening: asyncio.Task | None = None
-
-    @property
-    def ongoing(self) -> int:
-        return len(self._calls)
-
-    async def connected(self) -> None:
-        if self._opening is None:
-            self._opening = asyncio.ensure_future(self._open())
-        await asyncio.shield(self._opening)
-        if self.error is not None:
-            raise self.error
-
-    def submit(self, method: str, args: tuple[Any, ...]) -> DirectCall:
-        """Places the call (the link must be connected); the frame leaves at once."""
-        call = DirectCall(self, next(self._ids))
-        if self.error is not None:
-            call._fail(self.error)
-            return call
-        self._calls[call.call_id] = call
-        call.result.add_done_callback(lambda _: self._calls.pop(call.call_id, None))
-        self._write(Submit(call.call_id, method, args))
-        return call
-
-    def cancel(self, call_id: int) -> None:
-        call = self._calls.pop(call_id, None)
-        if call is not None:
-            self._write(Cancel(call_id))
-            call.result.cancel()
-
-    def close(self) -> None:
-        self._break(DeltaChannelError("the call channel was closed by the ingress"))
-
-    def _write(self, message: Submit | Cancel) -> None:
-        if self._writer is not None and self.error is None:
-            self._writer.write(encode_frame([message]))
-
-    async def _open(self) -> None:
-        host, port = self.address.host, self.address.port
-        try:
-            reader, self._writer = await asyncio.wait_for(
-                asyncio.open_connection(host, port), CONNECT_S
-            )
-        except (OSError, asyncio.TimeoutError) as e:
-            error = DeltaChannelError(f"cannot reach the replica's call port {host}:{port}: {e}")
-            self._break(error)
-            return
-        self._writer.write(self.address.token)
-        asyncio.get_running_loop().create_task(self._read(reader))
-
-    async def _read(self, reader: asyncio.StreamReader) -> None:
-        error = DeltaChannelError("the call channel to an engine replica closed")
-        try:
-            while (frame := await read_frame(reader)) is not None:
-                for message in frame:
-                    call = self._calls.get(message.call_id)
-                    if call is not None:
-                        call._settle(message)
-        except (DeltaChannelError, ConnectionError) as e:
-            error = DeltaChannelError(f"the call channel to an engine replica broke: {e}")
-        self._break(error)
-
-    def _break(self, error: DeltaChannelError) -> None:
-        if self.error is not None:
-            return
-        self.error = error
-        log.warning("call channel to %s:%d: %s", self.address.host, self.address.port, error)
-        for call in list(self._calls.values()):
-            call._fail(error)
-        self._calls.clear()
-        if self._writer is not None:
-            self._writer.close()
+UNREACHABLE_S = 30.0  # an address that could not be connected is avoided this long
 
 
 class PlacedCall:
     """A choice's call, direct or through Serve: awaitable like a `DeploymentResponse`
-    (its result), and `cancel()`-able. A direct call the replica refused (`ReplicaBusy`)
-    or that could not reach it is placed through ``fallback`` instead; one the replica
-    accepted is never placed twice."""
+    (its result), and `cancel()`-able. A call that never reached the replica (no
+    connection) or that it refused (`ReplicaBusy`) is placed through ``fallback``; one
+    that was sent is never placed twice: if its connection breaks, it fails (503)."""
 
     def __init__(self, direct: asyncio.Future[DirectCall | None], fallback: Callable[[], Any]):
         self._direct = direct
@@ -170,10 +56,11 @@ class PlacedCall:
         return self._task.__await__()
 
     def cancel(self) -> None:
-        if self._direct.done() and not self._direct.cancelled() and self._direct.result():
-            self._direct.result().cancel()
-        else:
-            self._direct.cancel()
+        direct = self._direct
+        if not direct.done():
+            direct.cancel()
+        elif not direct.cancelled() and direct.exception() is None and direct.result():
+            direct.result().cancel()
         if self._response is not None:
             self._response.cancel()
         self._task.cancel()
@@ -189,9 +76,8 @@ class PlacedCall:
             except asyncio.CancelledError:
                 call.cancel()
                 raise
-            except (ReplicaBusy, DeltaChannelError):
-                if call.accepted.done() and call.accepted.exception() is None:
-                    raise  # it ran there: a broken channel fails it (retriable 503)
+            except ReplicaBusy:
+                pass  # refused before it ran: Serve places it
         self.via = "serve"
         self._response = self._fallback()
         return await self._response
@@ -203,12 +89,15 @@ class DirectCaller:
     A replica's room is shared with the Serve path: this ingress's direct calls there plus
     Serve's count of its calls stay below `max_ongoing_requests`; the router, told of the
     direct calls (`TokenAwareRouter.direct`), leaves a replica they fill out of its choice,
-    so a call that finds no room waits in Serve's queue (or gets 429) as before.
+    so a call that finds no room waits in Serve's queue (or gets 429) as before. Other
+    ingresses' direct calls are not seen here: the replica's own `Slots` refuse what does
+    not fit (`ReplicaBusy`, then Serve).
     """
 
-    def __init__(self, deployment: str):
-        self.deployment = deployment
+    def __init__(self, app: str, deployment: str):
+        self.app, self.deployment = app, deployment
         self._links: dict[CallAddress, PortLink] = {}
+        self._unreachable: dict[CallAddress, float] = {}  # address -> avoided until
         self._ongoing: dict[ReplicaID, int] = {}  # direct calls in flight, by replica
         self._sent: dict[ReplicaID, int] = {}  # their prompt tokens
 
@@ -218,7 +107,7 @@ class DirectCaller:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + within_s
         while loop.time() < deadline:
-            router = router_for(self.deployment)
+            router = router_for(self.app, self.deployment)
             if router is not None and any(map(_address, list(router.curr_replicas.values()))):
                 return True
             await asyncio.sleep(0.05)
@@ -236,7 +125,7 @@ class DirectCaller:
         replica_id, address = chosen
         release = self._reserve(replica_id, gen.routing.num_tokens)
         direct = asyncio.ensure_future(self._submit(self._link(address), method, args, release))
-        direct.add_done_callback(lambda t: t.cancelled() and release())
+        direct.add_done_callback(lambda t: (t.cancelled() or t.exception()) and release())
         return PlacedCall(direct, fallback)
 
     def close(self) -> None:
@@ -249,9 +138,10 @@ class DirectCaller:
     ) -> DirectCall | None:
         try:
             await link.connected()
-        except DeltaChannelError:
+        except DeltaChannelError:  # logged by the link; the call goes through Serve
+            self._unreachable[link.address] = time.monotonic() + UNREACHABLE_S
             release()
-            return None  # logged by the link; the call goes through Serve
+            return None
         call = link.submit(method, args)
         call.result.add_done_callback(lambda _: release())  # refused, ended or cancelled
         return call
@@ -282,10 +172,12 @@ class DirectCaller:
         return link
 
     def _choose(self, gen: GenerateRequest) -> tuple[ReplicaID, CallAddress] | None:
-        router = router_for(self.deployment)
+        router = router_for(self.app, self.deployment)
         if router is None:
             return None
         router.direct = self  # the router counts these calls (see the class docstring)
+        if _queued(router) > 0:
+            return None  # requests wait in Serve's queue: this one queues behind them
         replicas = list(router.curr_replicas.values())
         info = gen.routing
         if info.hint is not None and replicas:
@@ -294,7 +186,7 @@ class DirectCaller:
         best, best_cost = None, 0.0
         for replica in replicas:
             address = _address(replica)
-            if address is None or not self._has_room(router, replica):
+            if address is None or self._avoided(address) or not self._has_room(router, replica):
                 continue
             cost = router.cost(replica, info, extra_tokens=self._sent.get(replica.replica_id, 0))
             if best is None or cost < best_cost:
@@ -304,6 +196,24 @@ class DirectCaller:
     def _has_room(self, router: TokenAwareRouter, replica) -> bool:
         serve_calls = router.replica_queue_len_cache.get(replica.replica_id) or 0
         return self.ongoing(replica.replica_id) + serve_calls < replica.max_ongoing_requests
+
+    def _avoided(self, address: CallAddress) -> bool:
+        until = self._unreachable.get(address)
+        if until is None:
+            return False
+        if time.monotonic() < until:
+            return True
+        del self._unreachable[address]
+        return False
+
+
+def _queued(router: TokenAwareRouter) -> int:
+    """Requests waiting in the handle's queue for a replica. Ray's public count
+    (`num_pending_requests`) keeps assigned requests until a lazy clean-up, which would
+    keep calls off this channel long after the queue emptied; its dict of the waiting ones
+    is exact but private, hence the fallback."""
+    waiting = getattr(router, "_pending_requests_by_id", None)
+    return len(waiting) if isinstance(waiting, dict) else router.num_pending_requests
 
 
 def _address(replica) -> CallAddress | None:

@@ -67,7 +67,7 @@ class Ingress(GrpcIngress):  # gRPC adapter: app/serve/grpc_servicer.py
             inbox = await DeltaInbox.start(ray.util.get_node_ip_address())
         direct = None
         if inbox is not None and engine is not None and self.args.call_channel == "socket":
-            direct = DirectCaller(engine.deployment_name)  # app/serve/direct_calls.py
+            direct = DirectCaller(engine.app_name, engine.deployment_name)  # direct_calls.py
         hints = self.args.allow_routing_hints
         self.driver = RequestDriver(
             metrics, prefill, decode, engine, hints, inbox=inbox, direct=direct

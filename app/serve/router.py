@@ -58,7 +58,7 @@ class TokenAwareRouter(FIFOMixin, RequestRouter):
     ) -> None:
         assert role in ("prefill", "decode"), role
         if deployment is not None:  # the direct call channel reads it (router_for)
-            router_registry.register(deployment, self)
+            router_registry.register(self.app_name, deployment, self)
         self.role = role
         self.chunk_tokens = chunk_tokens
         self.affinity_weight = affinity_weight
@@ -82,7 +82,7 @@ class TokenAwareRouter(FIFOMixin, RequestRouter):
         if self.direct is not None:
             # Empty when direct calls fill every replica: the request waits in Serve's queue.
             available = [r for r in available if self._has_room(r)]
-        if pending_request is not None:
+        if not available and pending_request is not None:
             # No locality stages here: an empty choice must back off before the next try,
             # not spin (Serve retries at once while this flag is unset).
             pending_request.routing_context.should_backoff = True

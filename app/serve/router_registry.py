@@ -11,15 +11,16 @@ from __future__ import annotations
 
 from typing import Any
 
-_ROUTERS: dict[str, Any] = {}  # deployment name -> TokenAwareRouter
+_ROUTERS: dict[tuple[str, str], Any] = {}  # (app, deployment) -> TokenAwareRouter
 
 
-def register(deployment: str, router: Any) -> None:
-    _ROUTERS[deployment] = router
+def register(app: str, deployment: str, router: Any) -> None:
+    _ROUTERS[(app, deployment)] = router
 
 
-def router_for(deployment: str) -> Any | None:
-    """The router of this process's handles to ``deployment`` (made on the handle's first
-    call; it runs on Serve's router thread, so readers only read: the replica dict is
-    replaced, never changed in place)."""
-    return _ROUTERS.get(deployment)
+def router_for(app: str, deployment: str) -> Any | None:
+    """The router of this process's handles to ``deployment`` of ``app`` (made on the
+    handle's first call). It runs on Serve's router thread: readers only read, and copy
+    its replica dict's values before iterating them (Ray replaces the dict on updates and
+    pops dead replicas from it)."""
+    return _ROUTERS.get((app, deployment))

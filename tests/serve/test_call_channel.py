@@ -7,23 +7,25 @@ from __future__ import annotations
 
 import asyncio
 import pickle
+from types import SimpleNamespace
 
 import pytest
 
 from app.engine.sampling_params import SamplingParams
 from app.serve.call_port import CallPort
-from app.serve.call_wire import Submit
+from app.serve.call_wire import ReplicaBusy, Submit
 from app.serve.colocated import EngineServer
 from app.serve.delta_inbox import DeltaInbox
 from app.serve.delta_wire import DeltaChannelError, encode_frame
-from app.serve.direct_calls import DirectCaller, PortLink
+from app.serve.direct_calls import DirectCaller
 from app.serve.messages import GenerateRequest, RoutingInfo
+from app.serve.port_link import PortLink
 from app.serve.slots import Slots
 from serve.test_delta_channel import StepEngine, read_all
 from serve.test_delta_replicas import _server
 from serve.test_router import FakeReplica, choose, pending, router
 
-DEPLOYMENT = "EngineServer-test"
+APP, DEPLOYMENT = "app-test", "EngineServer-test"
 FOREVER = 10**9  # tokens: the request only ends when cancelled
 
 
@@ -37,11 +39,15 @@ class QueueLens:
         return self.lens.get(replica_id.unique_id)
 
 
-def registered_router(replicas: list[FakeReplica], **serve_calls: int):
+def registered_router(replicas: list[FakeReplica], queued: int = 0, **serve_calls: int):
+    """The router this process's handle to the deployment would have: its replicas,
+    Serve's own calls on each, and ``queued`` requests waiting in its queue."""
     r = router()
+    r._deployment_id = SimpleNamespace(app_name=APP, name=DEPLOYMENT)
     r.initialize_state(role="prefill", chunk_tokens=32, deployment=DEPLOYMENT)
     r._replicas = {rep.replica_id: rep for rep in replicas}
     r._replica_queue_len_cache = QueueLens(**serve_calls)
+    r._pending_requests_by_id = {f"q{i}": None for i in range(queued)}
     return r
 
 
@@ -81,7 +87,7 @@ def test_a_direct_call_runs_generate_to_and_its_deltas_reach_the_inbox():
         server = _server(EngineServer, StepEngine())
         port = await started_port(server)
         registered_router([replica_at(port)])
-        caller = DirectCaller(DEPLOYMENT)
+        caller = DirectCaller(APP, DEPLOYMENT)
         queue = inbox.open("r-0")
         g = gen()
         placed = caller.call("generate_to", g, (g, inbox.reply_to), no_fallback)
@@ -107,13 +113,15 @@ def test_cancelling_a_direct_call_aborts_the_engine_request():
         engine = StepEngine()
         port = await started_port(_server(EngineServer, engine))
         registered_router([replica_at(port)])
-        caller = DirectCaller(DEPLOYMENT)
+        caller = DirectCaller(APP, DEPLOYMENT)
         queue = inbox.open("r-0")
         g = gen(max_tokens=FOREVER)
         placed = caller.call("generate_to", g, (g, inbox.reply_to), no_fallback)
         await asyncio.wait_for(queue.get(), 10)  # it runs
         placed.cancel()
         await until(lambda: engine.aborted == ["r-0"] and port.ongoing == 0)
+        await until(lambda: caller.ongoing(replica_at(None).replica_id) == 0)
+        assert port.slots.free == port.slots.total  # nothing leaked on either side
         caller.close()
         await port.stop()
         await inbox.stop()
@@ -127,7 +135,7 @@ def test_the_ingress_going_away_cancels_its_calls_on_the_replica():
         engine = StepEngine()
         port = await started_port(_server(EngineServer, engine))
         registered_router([replica_at(port)])
-        caller = DirectCaller(DEPLOYMENT)
+        caller = DirectCaller(APP, DEPLOYMENT)
         queue = inbox.open("r-0")
         g = gen(max_tokens=FOREVER)
         caller.call("generate_to", g, (g, inbox.reply_to), no_fallback)
@@ -148,7 +156,7 @@ def test_a_replica_that_goes_away_fails_its_accepted_calls_retriably_without_a_r
         inbox = await DeltaInbox.start()
         port = await started_port(_server(EngineServer, StepEngine()))
         registered_router([replica_at(port)])
-        caller = DirectCaller(DEPLOYMENT)
+        caller = DirectCaller(APP, DEPLOYMENT)
         queue = inbox.open("r-0")
         g = gen(max_tokens=FOREVER)
         placed = caller.call("generate_to", g, (g, inbox.reply_to), no_fallback)
@@ -175,17 +183,168 @@ def test_a_busy_or_unreachable_replica_sends_the_call_through_serve():
             await port.stop()
         replica = replica_at(port)
         registered_router([replica])
-        caller = DirectCaller(DEPLOYMENT)
+        caller = DirectCaller(APP, DEPLOYMENT)
         g = gen()
         placed = caller.call("generate_to", g, (g, None), fallback_result)
         result = await asyncio.wait_for(placed, 10)
         ongoing = caller.ongoing(replica.replica_id)
+        avoided = caller._choose(g) is None  # an unreachable address is not tried again
         caller.close()
         await port.stop()
-        return placed.via, result, ongoing, port.calls
+        return placed.via, result, ongoing, port.calls, avoided
 
-    assert asyncio.run(main(max_ongoing=0, listening=True)) == ("serve", "through serve", 0, 0)
-    assert asyncio.run(main(max_ongoing=8, listening=False)) == ("serve", "through serve", 0, 0)
+    busy = asyncio.run(main(max_ongoing=0, listening=True))
+    assert busy == ("serve", "through serve", 0, 0, False)
+    unreachable = asyncio.run(main(max_ongoing=8, listening=False))
+    assert unreachable == ("serve", "through serve", 0, 0, True)
+
+
+def test_requests_waiting_in_serves_queue_go_first():
+    """While requests wait in the handle's queue, a new one queues behind them instead of
+    taking a slot that frees directly (the queued ones would starve under a steady load)."""
+
+    async def main():
+        port = await started_port(_server(EngineServer, StepEngine()))
+        registered_router([replica_at(port)], queued=1)
+        caller = DirectCaller(APP, DEPLOYMENT)
+        chosen = caller._choose(gen())
+        registered_router([replica_at(port)], queued=0)
+        free = caller._choose(gen())
+        await port.stop()
+        return chosen, free
+
+    chosen, free = asyncio.run(main())
+    assert chosen is None and free is not None
+
+
+def _explodes_on_load():
+    raise RuntimeError("this class does not exist here")
+
+
+class _Unloadable:
+    """Pickles, but cannot be loaded: an answer from a replica of another version."""
+
+    def __reduce__(self):
+        return (_explodes_on_load, ())
+
+
+def test_an_answer_the_ingress_cannot_load_fails_the_link_instead_of_hanging():
+    """Seen hanging (the link's reader died, its calls never ended) with the reader
+    catching only channel errors."""
+
+    class Target:
+        async def run_generate_to(self, *args):
+            return _Unloadable()
+
+    async def main():
+        port = await started_port(Target())
+        link = PortLink(port.address)
+        await link.connected()
+        call = link.submit("generate_to", ())
+        with pytest.raises(DeltaChannelError, match="this class does not exist"):
+            await asyncio.wait_for(call.result, 10)
+        await port.stop()
+        return link.error is not None
+
+    assert asyncio.run(main())
+
+
+def test_a_call_that_does_not_fit_the_method_takes_no_slot():
+    class Target:
+        async def run_generate_to(self, g, reply_to):
+            return "ok"
+
+    async def main():
+        port = await started_port(Target(), max_ongoing=1)
+        link = PortLink(port.address)
+        await link.connected()
+        bad = link.submit("generate_to", (1, 2, 3))  # one argument too many
+        with pytest.raises(TypeError):
+            await asyncio.wait_for(bad.result, 10)
+        good = await asyncio.wait_for(link.submit("generate_to", (1, 2)).result, 10)
+        link.close()
+        await port.stop()
+        return good, port.slots.free
+
+    assert asyncio.run(main()) == ("ok", 1)
+
+
+def test_a_call_sent_but_never_answered_fails_instead_of_being_placed_again():
+    """The connection breaks after the Submit left: the replica may be running it, so it
+    is not placed a second time through Serve; it fails with a retriable error."""
+
+    async def swallow(reader, writer):
+        await reader.read(1 << 16)  # the token and the Submit: then hang up unanswered
+        writer.close()
+
+    async def main():
+        server = await asyncio.start_server(swallow, "127.0.0.1", 0)
+        port_number = server.sockets[0].getsockname()[1]
+        replica = FakeReplica("a", {"call_port": {"host": "127.0.0.1", "port": port_number,
+                                                  "token": "00" * 16}})  # fmt: skip
+        registered_router([replica])
+        caller = DirectCaller(APP, DEPLOYMENT)
+        g = gen()
+        placed = caller.call("generate_to", g, (g, None), no_fallback)
+        try:
+            await asyncio.wait_for(placed, 10)
+        except Exception as e:  # noqa: BLE001 - the error is the result
+            return e, placed.via
+        finally:
+            caller.close()
+            server.close()
+
+    error, via = asyncio.run(main())
+    assert isinstance(error, DeltaChannelError) and via == "pending"
+
+
+def test_a_call_cancelled_on_the_replica_is_answered():
+    class Target:
+        async def run_generate_to(self, *args):
+            raise asyncio.CancelledError  # e.g. the replica shutting its tasks down
+
+    async def main():
+        port = await started_port(Target())
+        link = PortLink(port.address)
+        await link.connected()
+        with pytest.raises(DeltaChannelError, match="cancelled on the replica"):
+            await asyncio.wait_for(link.submit("generate_to", ()).result, 10)
+        link.close()
+        await port.stop()
+
+    asyncio.run(main())
+
+
+def test_a_draining_replica_refuses_new_calls_and_lets_running_ones_end():
+    """Serve's graceful shutdown waits only for its own calls; the replica's `__del__`
+    drains the direct ones."""
+
+    class Target:
+        def __init__(self):
+            self.go = asyncio.Event()
+
+        async def run_generate_to(self, *args):
+            await self.go.wait()
+            return "done"
+
+    async def main():
+        target = Target()
+        port = await started_port(target)
+        link = PortLink(port.address)
+        await link.connected()
+        running = link.submit("generate_to", ())
+        await asyncio.wait_for(running.accepted, 10)
+        drained = asyncio.ensure_future(port.drain(10))
+        await asyncio.sleep(0.1)
+        late = link.submit("generate_to", ())
+        with pytest.raises(ReplicaBusy, match="shutting down"):
+            await asyncio.wait_for(late.result, 10)
+        target.go.set()
+        result = await asyncio.wait_for(running.result, 10)
+        await asyncio.wait_for(drained, 10)
+        return result, port.serving
+
+    assert asyncio.run(main()) == ("done", False)
 
 
 def test_errors_reach_the_ingress_as_their_own_type():
@@ -204,7 +363,7 @@ def test_errors_reach_the_ingress_as_their_own_type():
     async def main(target):
         port = await started_port(target)
         registered_router([replica_at(port)])
-        caller = DirectCaller(DEPLOYMENT)
+        caller = DirectCaller(APP, DEPLOYMENT)
         g = gen()
         try:
             await asyncio.wait_for(caller.call("generate_to", g, (g, None), no_fallback), 10)
@@ -271,7 +430,7 @@ def test_the_chooser_takes_the_cheapest_replica_with_room_and_an_address():
         idle = replica_at(ports[1], "b", inflight_tokens=100)
         silent = FakeReplica("c", {"inflight_tokens": 0})  # no address advertised yet
         registered_router([busy, idle, silent])
-        caller = DirectCaller(DEPLOYMENT)
+        caller = DirectCaller(APP, DEPLOYMENT)
         first = caller._choose(gen(tokens=200))
         registered_router([busy, idle, silent], b=8)  # Serve's own calls fill "b"
         second = caller._choose(gen(tokens=200))
@@ -305,7 +464,9 @@ def test_the_router_leaves_replicas_filled_by_direct_calls_to_serves_queue():
     a, b = FakeReplica("a", max_ongoing_requests=2), FakeReplica("b", max_ongoing_requests=2)
     r = registered_router([a, b], a=1)
     r.direct = Direct(a=1)  # a: 1 direct + 1 Serve call = full
-    assert choose(r, [a, b], pending(10)) == ["b"]
+    chosen = pending(10)
+    assert choose(r, [a, b], chosen) == ["b"]
+    assert not chosen.routing_context.should_backoff  # a choice was made: no wait
     r.direct = Direct(a=2, b=2)
     waiting = pending(10)
     assert choose(r, [a, b], waiting) == []
@@ -337,7 +498,7 @@ def test_serve_calls_and_direct_calls_share_the_replicas_slots():
         server.slots = Slots(1)
         port = await started_port(server)
         registered_router([replica_at(port)])
-        caller = DirectCaller(DEPLOYMENT)
+        caller = DirectCaller(APP, DEPLOYMENT)
         long, short = gen("long", max_tokens=FOREVER), gen("short", max_tokens=3)
         inbox.open("long")
         serve_call = asyncio.ensure_future(server.generate_to(long, inbox.reply_to))
