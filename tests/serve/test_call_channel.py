@@ -105,19 +105,26 @@ def test_a_direct_call_runs_generate_to_and_its_deltas_reach_the_inbox():
     assert [t for d in deltas for t in d.new_token_ids] == [1, 2, 3, 4, 5]
 
 
+async def streaming_forever():
+    """A direct call placed and streaming, which cannot end on its own:
+    (inbox, engine, port, caller, placed)."""
+    inbox = await DeltaInbox.start()
+    engine = StepEngine()
+    port = await started_port(_server(EngineServer, engine))
+    registered_router([replica_at(port)])
+    caller = DirectCaller(APP, DEPLOYMENT)
+    queue = inbox.open("r-0")
+    g = gen(max_tokens=FOREVER)
+    placed = caller.call("generate_to", g, (g, inbox.reply_to), no_fallback)
+    await asyncio.wait_for(queue.get(), 10)  # it runs
+    return inbox, engine, port, caller, placed
+
+
 def test_cancelling_a_direct_call_aborts_the_engine_request():
     """Seen failing (the request kept running) with the port ignoring `Cancel`."""
 
     async def main():
-        inbox = await DeltaInbox.start()
-        engine = StepEngine()
-        port = await started_port(_server(EngineServer, engine))
-        registered_router([replica_at(port)])
-        caller = DirectCaller(APP, DEPLOYMENT)
-        queue = inbox.open("r-0")
-        g = gen(max_tokens=FOREVER)
-        placed = caller.call("generate_to", g, (g, inbox.reply_to), no_fallback)
-        await asyncio.wait_for(queue.get(), 10)  # it runs
+        inbox, engine, port, caller, placed = await streaming_forever()
         placed.cancel()
         await until(lambda: engine.aborted == ["r-0"] and port.ongoing == 0)
         await until(lambda: caller.ongoing(replica_at(None).replica_id) == 0)
@@ -131,15 +138,7 @@ def test_cancelling_a_direct_call_aborts_the_engine_request():
 
 def test_the_ingress_going_away_cancels_its_calls_on_the_replica():
     async def main():
-        inbox = await DeltaInbox.start()
-        engine = StepEngine()
-        port = await started_port(_server(EngineServer, engine))
-        registered_router([replica_at(port)])
-        caller = DirectCaller(APP, DEPLOYMENT)
-        queue = inbox.open("r-0")
-        g = gen(max_tokens=FOREVER)
-        caller.call("generate_to", g, (g, inbox.reply_to), no_fallback)
-        await asyncio.wait_for(queue.get(), 10)
+        inbox, engine, port, caller, _ = await streaming_forever()
         caller.close()  # the ingress's connection ends
         await until(lambda: engine.aborted == ["r-0"] and port.ongoing == 0)
         await port.stop()
@@ -153,14 +152,7 @@ def test_a_replica_that_goes_away_fails_its_accepted_calls_retriably_without_a_r
     placed a second time through Serve."""
 
     async def main():
-        inbox = await DeltaInbox.start()
-        port = await started_port(_server(EngineServer, StepEngine()))
-        registered_router([replica_at(port)])
-        caller = DirectCaller(APP, DEPLOYMENT)
-        queue = inbox.open("r-0")
-        g = gen(max_tokens=FOREVER)
-        placed = caller.call("generate_to", g, (g, inbox.reply_to), no_fallback)
-        await asyncio.wait_for(queue.get(), 10)
+        inbox, _, port, _, placed = await streaming_forever()
         await port.stop()
         with pytest.raises(DeltaChannelError):
             await asyncio.wait_for(placed, 10)
