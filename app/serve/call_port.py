@@ -11,8 +11,6 @@ calls) at once, else it is answered `ReplicaBusy`, and the ingress places it thr
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import hmac
 import logging
 import pickle
 import secrets
@@ -28,11 +26,16 @@ from app.serve.call_wire import (
     ReplicaBusy,
     Submit,
 )
-from app.serve.delta_wire import TOKEN_BYTES, DeltaChannelError, encode_frame, read_frame
+from app.serve.delta_wire import (
+    TOKEN_BYTES,
+    DeltaChannelError,
+    encode_frame,
+    presents_token,
+    read_frame,
+)
 from app.serve.slots import Slots
 
 log = logging.getLogger(__name__)
-HANDSHAKE_S = 10.0  # a peer that connects but sends no token is dropped after this
 
 
 class CallPort:
@@ -84,7 +87,7 @@ class CallPort:
         connection = _Connection(self, writer)
         self._connections.add(connection)
         try:
-            if not await self._admitted(reader):
+            if not await presents_token(reader, self.address.token):
                 log.warning("call port: refused a connection without the token")
                 return
             while (frame := await read_frame(reader)) is not None:
@@ -95,12 +98,6 @@ class CallPort:
         finally:
             self._connections.discard(connection)
             connection.close()  # the ingress is gone: nobody reads these calls' deltas
-
-    async def _admitted(self, reader: asyncio.StreamReader) -> bool:
-        with contextlib.suppress(asyncio.IncompleteReadError, asyncio.TimeoutError):
-            token = await asyncio.wait_for(reader.readexactly(TOKEN_BYTES), HANDSHAKE_S)
-            return hmac.compare_digest(token, self.address.token)
-        return False
 
 
 class _Connection:

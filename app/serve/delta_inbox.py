@@ -10,18 +10,21 @@ connection ends, the open choices it was carrying fail with a retriable `DeltaCh
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import hmac
 import logging
 import secrets
 from functools import reduce
 
 from app.engine.request import RequestDelta
-from app.serve.delta_wire import TOKEN_BYTES, DeltaChannelError, ReplyTo, read_frame
+from app.serve.delta_wire import (
+    TOKEN_BYTES,
+    DeltaChannelError,
+    ReplyTo,
+    presents_token,
+    read_frame,
+)
 from app.serve.streaming import merge
 
 log = logging.getLogger(__name__)
-HANDSHAKE_S = 10.0  # a peer that connects but sends no token is dropped after this
 
 
 class DeltaQueue:
@@ -122,7 +125,7 @@ class DeltaInbox:
         self._connections.add(writer)
         error = DeltaChannelError("the delta channel from an engine replica closed")
         try:
-            if not await self._admitted(reader):
+            if not await presents_token(reader, self._token):
                 log.warning("delta inbox: refused a connection without the token")
                 return
             while (frame := await read_frame(reader)) is not None:
@@ -143,9 +146,3 @@ class DeltaInbox:
             if queue is not None:  # else: closed or cancelled, dropped
                 queue.source = source
                 queue.put(delta)
-
-    async def _admitted(self, reader: asyncio.StreamReader) -> bool:
-        with contextlib.suppress(asyncio.IncompleteReadError, asyncio.TimeoutError):
-            token = await asyncio.wait_for(reader.readexactly(TOKEN_BYTES), HANDSHAKE_S)
-            return hmac.compare_digest(token, self._token)
-        return False

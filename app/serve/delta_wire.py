@@ -11,6 +11,8 @@ its random token first on every connection, so a stray client cannot feed it fra
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hmac
 import pickle
 import struct
 from dataclasses import dataclass, field
@@ -18,6 +20,7 @@ from dataclasses import dataclass, field
 from app.engine.request import RequestDelta
 
 TOKEN_BYTES = 16
+HANDSHAKE_S = 10.0  # a peer that connects but sends no token is dropped after this
 MAX_FRAME_BYTES = 256 << 20  # far above any step's deltas; a larger length is a broken peer
 _LENGTH = struct.Struct("!I")
 
@@ -50,6 +53,15 @@ class StreamSummary:
 
     request_id: str
     num_tokens: int  # output tokens sent
+
+
+async def presents_token(reader: asyncio.StreamReader, token: bytes) -> bool:
+    """Whether a new connection's first bytes are ``token`` (within HANDSHAKE_S); both
+    socket channels require it before reading anything else."""
+    with contextlib.suppress(asyncio.IncompleteReadError, asyncio.TimeoutError):
+        got = await asyncio.wait_for(reader.readexactly(TOKEN_BYTES), HANDSHAKE_S)
+        return hmac.compare_digest(got, token)
+    return False
 
 
 def encode_frame(deltas: list[RequestDelta]) -> bytes:

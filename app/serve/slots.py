@@ -22,10 +22,6 @@ class Slots:
         self.free = total
         self._waiters: deque[asyncio.Future] = deque()
 
-    @property
-    def taken(self) -> int:
-        return self.total - self.free
-
     def try_take(self) -> bool:
         """A slot now, or False (never waits). A released slot passes straight to a waiting
         call, so there is never a free slot while calls wait."""
