@@ -1,12 +1,12 @@
 """The direct call channel without Ray: the ingress's DirectCaller places calls on a real
 CallPort on loopback, which runs the colocated deployment's own `generate_to` over the
-stand-in engine and sends the deltas to a real DeltaInbox. The router is the real
-TokenAwareRouter's policy over stand-in replicas (as in test_router.py)."""
+stand-in engine and sends the deltas to a real DeltaInbox: the calls' lifecycle (cancel,
+either side going away, errors, refusals, draining, the token). Where calls go and how they
+share a replica with Serve's calls: test_call_placement.py."""
 
 from __future__ import annotations
 
 import asyncio
-import pickle
 from types import SimpleNamespace
 
 import pytest
@@ -23,7 +23,7 @@ from app.serve.port_link import PortLink
 from app.serve.slots import Slots
 from serve.test_delta_channel import StepEngine, read_all
 from serve.test_delta_replicas import _server
-from serve.test_router import FakeReplica, choose, pending, router
+from serve.test_router import FakeReplica, router
 
 APP, DEPLOYMENT = "app-test", "EngineServer-test"
 FOREVER = 10**9  # tokens: the request only ends when cancelled
@@ -189,24 +189,6 @@ def test_a_busy_or_unreachable_replica_sends_the_call_through_serve():
     assert busy == ("serve", "through serve", 0, 0, False)
     unreachable = asyncio.run(main(max_ongoing=8, listening=False))
     assert unreachable == ("serve", "through serve", 0, 0, True)
-
-
-def test_requests_waiting_in_serves_queue_go_first():
-    """While requests wait in the handle's queue, a new one queues behind them instead of
-    taking a slot that frees directly (the queued ones would starve under a steady load)."""
-
-    async def main():
-        port = await started_port(_server(EngineServer, StepEngine()))
-        registered_router([replica_at(port)], queued=1)
-        caller = DirectCaller(APP, DEPLOYMENT)
-        chosen = caller._choose(gen())
-        registered_router([replica_at(port)], queued=0)
-        free = caller._choose(gen())
-        await port.stop()
-        return chosen, free
-
-    chosen, free = asyncio.run(main())
-    assert chosen is None and free is not None
 
 
 def _explodes_on_load():
@@ -413,129 +395,3 @@ def test_only_the_allowed_methods_can_be_called():
         return result, port.calls
 
     assert asyncio.run(main()) == ("ok", 1)
-
-
-def test_the_chooser_takes_the_cheapest_replica_with_room_and_an_address():
-    async def main():
-        ports = [await started_port(object()) for _ in range(3)]
-        busy = replica_at(ports[0], "a", inflight_tokens=900)
-        idle = replica_at(ports[1], "b", inflight_tokens=100)
-        silent = FakeReplica("c", {"inflight_tokens": 0})  # no address advertised yet
-        registered_router([busy, idle, silent])
-        caller = DirectCaller(APP, DEPLOYMENT)
-        first = caller._choose(gen(tokens=200))
-        registered_router([busy, idle, silent], b=8)  # Serve's own calls fill "b"
-        second = caller._choose(gen(tokens=200))
-        hinted = caller._choose(GenerateRequest("h", [1], None, routing=RoutingInfo(1, (), 0)))
-        registered_router([silent])
-        none = caller._choose(gen())
-        for port in ports:
-            await port.stop()
-        return first, second, hinted, none
-
-    first, second, hinted, none = asyncio.run(main())
-    assert first[0].unique_id == "b" and second[0].unique_id == "a"
-    assert hinted[0].unique_id == "a"  # index 0 in replica-id order, as the router does
-    assert none is None  # nothing to call directly: the Serve handle places it
-
-
-def test_the_router_leaves_replicas_filled_by_direct_calls_to_serves_queue():
-    """Direct calls and Serve's calls share max_ongoing_requests: the router skips a
-    replica the ingress's direct calls fill, and returns nothing (the request waits in
-    Serve's queue, or gets 429) when they fill all. Seen failing without the filter, and
-    tests/grpc/test_grpc_errors.py's overload test never got its refusal while the empty
-    choice spun."""
-
-    class Direct:
-        def __init__(self, **n):
-            self.n = n
-
-        def ongoing(self, replica_id):
-            return self.n.get(replica_id.unique_id, 0)
-
-    a, b = FakeReplica("a", max_ongoing_requests=2), FakeReplica("b", max_ongoing_requests=2)
-    r = registered_router([a, b], a=1)
-    r.direct = Direct(a=1)  # a: 1 direct + 1 Serve call = full
-    chosen = pending(10)
-    assert choose(r, [a, b], chosen) == ["b"]
-    assert not chosen.routing_context.should_backoff  # a choice was made: no wait
-    r.direct = Direct(a=2, b=2)
-    waiting = pending(10)
-    assert choose(r, [a, b], waiting) == []
-    # and Serve backs off before asking again (seen spinning, ~900 choices per 50 ms, with
-    # the flag unset: Serve retries at once then)
-    assert waiting.routing_context.should_backoff
-    r.direct = Direct()
-    assert sorted(choose(r, [a, b], pending(10))) == ["a", "b"]
-
-
-def test_call_addresses_survive_routing_stats_and_keep_the_token_out_of_reprs():
-    port = CallPort(object(), "127.0.0.1", Slots(1))
-    stats = pickle.loads(pickle.dumps(port.address.to_stats()))  # as Serve ships them
-    assert type(port.address).from_stats(stats) == port.address
-    assert port.address.token.hex() not in repr(port.address)
-    port._sock.close()
-
-
-def test_serve_calls_and_direct_calls_share_the_replicas_slots():
-    """One slot: while a Serve-placed `generate_to` holds it a direct call is refused
-    (and goes through Serve); a Serve call that arrives while a direct call holds it waits
-    and runs after. Seen failing (both ran at once) with the Serve method not taking a
-    slot."""
-
-    async def main():
-        inbox = await DeltaInbox.start()
-        engine = StepEngine()
-        server = _server(EngineServer, engine)
-        server.slots = Slots(1)
-        port = await started_port(server)
-        registered_router([replica_at(port)])
-        caller = DirectCaller(APP, DEPLOYMENT)
-        long, short = gen("long", max_tokens=FOREVER), gen("short", max_tokens=3)
-        inbox.open("long")
-        serve_call = asyncio.ensure_future(server.generate_to(long, inbox.reply_to))
-        await until(lambda: "long" in engine.running)
-
-        async def through_serve():
-            return "through serve"
-
-        placed = caller.call("generate_to", short, (short, inbox.reply_to), through_serve)
-        refused = await asyncio.wait_for(placed, 10), placed.via
-        serve_call.cancel()
-        await until(lambda: server.slots.free == 1)
-
-        queue = inbox.open("short")
-        direct = caller.call("generate_to", long, (long, inbox.reply_to), no_fallback)
-        await until(lambda: "long" in engine.running)
-        waiting = asyncio.ensure_future(server.generate_to(short, inbox.reply_to))
-        await asyncio.sleep(0.2)
-        ran_beside = "short" in engine.running or engine.steps and queue.finished
-        direct.cancel()
-        summary = await asyncio.wait_for(waiting, 10)  # runs once the direct call ended
-        caller.close()
-        await port.stop()
-        await inbox.stop()
-        return refused, ran_beside, summary.num_tokens, server.slots.free
-
-    refused, ran_beside, tokens, free = asyncio.run(main())
-    assert refused == ("through serve", "serve")
-    assert not ran_beside and tokens == 3 and free == 1
-
-
-def test_slots_go_to_waiting_calls_first_and_a_cancelled_wait_leaks_none():
-    async def main():
-        slots = Slots(1)
-        assert slots.try_take()
-        waiter = asyncio.ensure_future(slots.take())
-        await asyncio.sleep(0)
-        slots.release()  # handed to the waiter, not freed
-        grabbed = slots.try_take()
-        await waiter
-        gone = asyncio.ensure_future(slots.take())
-        await asyncio.sleep(0)
-        gone.cancel()  # waiting: leaves the queue
-        await asyncio.sleep(0)
-        slots.release()
-        return grabbed, slots.free, slots.try_take()
-
-    assert asyncio.run(main()) == (False, 1, True)
