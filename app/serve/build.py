@@ -12,6 +12,7 @@ import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
+from app.kvstore.handoff import start_box
 from app.kvstore.store import create_store
 from app.serve.colocated import EngineServer
 from app.serve.config import ServeArgs
@@ -71,9 +72,11 @@ def _tp_options(cfg: ServeArgs) -> dict[str, Any]:
 
 
 def ensure_store(cfg: ServeArgs) -> None:
-    """Start the store shards once per cluster (detached, named); later calls reuse them."""
+    """Start the store shards and their hand-off box once per cluster (detached, named);
+    later calls reuse them."""
     if not ray.is_initialized():
         ray.init()
     create_store(
         cfg.store_capacity_bytes, cfg.store_shards, name=cfg.store_name, lifetime="detached"
     )
+    start_box(cfg.store_name)  # prefill -> decode hand-offs (app/kvstore/handoff.py)

@@ -1,8 +1,8 @@
 """Replica side of the direct call channel (app/serve/call_wire.py): a TCP server in the
 replica's event loop that runs the calls ingresses submit, as Serve would run them.
 
-Each accepted call runs the replica's own method (`EngineServer.run_generate_to`, what its
-Serve method `generate_to` runs) in a task; `Cancel`, or the connection ending (the ingress
+Each accepted call runs the replica's own method (e.g. `EngineServer.run_generate_to`, what
+its Serve method `generate_to` runs) in a task; `Cancel`, or the connection ending (the ingress
 went away), cancels it, which aborts its engine request, as a cancelled Serve call does. A
 call needs one of the replica's `Slots` (its `max_ongoing_requests`, shared with Serve's
 calls) at once, else it is answered `ReplicaBusy`, and the ingress places it through Serve.
@@ -130,10 +130,10 @@ class _Connection:
 
     def _start(self, call: Submit) -> None:
         port = self.port
-        method: Callable = getattr(port.target, DIRECT_METHODS[call.method])
-        try:
-            run = method(*call.args)  # before a slot is taken: a bad call takes none
-        except Exception as e:  # noqa: BLE001 - e.g. arguments of another version
+        try:  # before a slot is taken: a bad call takes none
+            method: Callable = getattr(port.target, DIRECT_METHODS[call.method])
+            run = method(*call.args)
+        except Exception as e:  # noqa: BLE001 - another deployment's method, bad arguments
             _reply(self.writer, Ended(call.call_id, error=e))
             return
         if port.draining or not port.slots.try_take():

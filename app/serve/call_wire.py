@@ -9,8 +9,9 @@ both ends are processes of one Ray cluster. The deltas of an accepted call still
 over the delta channel to the ingress's inbox; this channel carries only the call itself.
 
 Only calls whose arguments and result are plain data go this way: a Ray `ObjectRef`
-pickled outside Ray would be pinned for the life of the job, so the disaggregated calls
-(whose messages carry store refs) stay on Serve handles.
+pickled outside Ray would be pinned for its owner's life. So the disaggregated calls carry
+no refs: the prefill replica posts its result (with the prompt's KV chunk refs) to the
+store's hand-off box and the decode replica takes it there (app/kvstore/handoff.py).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 # The calls a direct call may name (each also a Serve method of the deployment) -> the
 # replica method that runs it once the call has its slot (`Slots`; the Serve method waits
 # for one itself).
-DIRECT_METHODS = {"generate_to": "run_generate_to"}
+DIRECT_METHODS = {"generate_to": "run_generate_to", "prefill_to": "run_prefill_to"}
 
 
 class ReplicaBusy(RuntimeError):

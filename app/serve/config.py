@@ -117,12 +117,12 @@ class ServeArgs(BaseModel):
     # stream_interval_s does not apply); "serve" streams each request through Serve
     # (for clusters where replicas cannot connect to the ingress's node). docs/performance.md
     delta_channel: Literal["socket", "serve"] = "socket"
-    # How the ingress places a colocated choice on an engine replica: "socket" over one
-    # TCP connection per (ingress, replica) pair (the replica listens on its node's IP,
+    # How the ingress places a choice's calls on the engine replicas (colocated: the
+    # engine's; disaggregated: the prefill's and the decode's): "socket" over one TCP
+    # connection per (ingress, replica) pair (the replica listens on its node's IP,
     # ephemeral port, token, and advertises the address in its routing stats), with a
     # Serve handle call as the fallback (no replica known yet, all full, unreachable);
-    # "serve": always a Serve handle call. Applies with delta_channel "socket" only;
-    # disaggregated calls always go through Serve (their messages carry Ray refs).
+    # "serve": always a Serve handle call. Applies with delta_channel "socket" only.
     # app/serve/call_wire.py, docs/performance.md
     call_channel: Literal["socket", "serve"] = "socket"
 

@@ -47,13 +47,20 @@ class DecodeServer(EngineReplica):
             self.host.inflight_tokens -= len(prompt)
 
     async def generate_to(self, req: DecodeRequest, reply_to: ReplyTo) -> StreamSummary:
+        """`run_generate_to` once the call has one of the replica's slots, which it shares
+        with direct calls (app/serve/slots.py)."""
+        async with self.slots.held():
+            return await self.run_generate_to(req, reply_to)
+
+    async def run_generate_to(self, req: DecodeRequest, reply_to: ReplyTo) -> StreamSummary:
         """The same deltas, sent to the ingress's inbox (see EngineServer.generate_to).
-        The call may arrive while the prefill still runs (``req.prefill`` a ref to its
-        result): it waits for that result here. Nothing is sent if the prefill's token
-        already ended the choice (the ingress cancels this call then)."""
+        The call may arrive while the prefill still runs (``req.prefill`` a `HandOff`):
+        the prefill's result is taken from the hand-off box, waiting for it there. Nothing
+        is sent if the prefill's token already ended the choice (the ingress cancels this
+        call then)."""
         prompt = req.request.prompt_token_ids
         link = await self.outbox.link(reply_to)
-        prefill = await _prefill_result(req)
+        prefill = await self._prefill_result(req)
         if prefill.first.finish_reason in DONE_REASONS:
             return StreamSummary(req.request.request_id, 0)
         req = dataclasses.replace(req, prefill=prefill)
@@ -82,6 +89,13 @@ class DecodeServer(EngineReplica):
                     log.warning("dropping a rejected chunk from the store failed: %s", failure)
         return StreamSummary(req.request.request_id, tokens)
 
+    async def _prefill_result(self, req: DecodeRequest) -> PrefillResult:
+        """The prefill's result: in the message, or taken from the hand-off box."""
+        if isinstance(req.prefill, PrefillResult):
+            return req.prefill
+        assert self.hand_offs is not None, "a decode replica uses the store"
+        return await self.hand_offs.take(req.prefill.key)
+
     async def _request(self, req: DecodeRequest) -> Request:  # req.prefill: a PrefillResult
         """The engine request continuing after prefill's first token, with the prompt's KV."""
         gen, first = req.request, req.prefill.first
@@ -106,11 +120,3 @@ class DecodeServer(EngineReplica):
                     await self.host.drop_rejected(delta.kv_rejected)
                     delta = dataclasses.replace(delta, kv_rejected=None)
                 yield delta
-
-
-async def _prefill_result(req: DecodeRequest) -> PrefillResult:
-    """The prefill's result: in the message, or awaited through the ref the ingress sent
-    when it placed this call while the prefill ran (its failure fails this call)."""
-    if isinstance(req.prefill, PrefillResult):
-        return req.prefill
-    return await req.prefill

@@ -1,5 +1,6 @@
-"""Ingress side of the direct call channel (app/serve/call_wire.py): places a colocated
-choice's `generate_to` on an engine replica over one reused TCP connection per replica
+"""Ingress side of the direct call channel (app/serve/call_wire.py): places a choice's unary
+calls (colocated `generate_to`; disaggregated `prefill_to` and the decode's `generate_to`)
+on an engine replica over one reused TCP connection per replica
 (`PortLink`), instead of a Serve handle call (measured: a handle call is entered 2-5 ms
 after `.remote()` alone and 7-10 ms in a burst of 8, a direct one 0.4-0.9 ms;
 docs/performance.md).
@@ -27,7 +28,7 @@ from ray.serve.request_router import ReplicaID
 
 from app.serve.call_wire import CallAddress, ReplicaBusy
 from app.serve.delta_wire import DeltaChannelError
-from app.serve.messages import GenerateRequest
+from app.serve.messages import RoutingInfo
 from app.serve.port_link import DirectCall, PortLink
 from app.serve.router import TokenAwareRouter
 from app.serve.router_registry import router_for
@@ -48,12 +49,19 @@ class PlacedCall:
         self._fallback = fallback
         self._response: Any = None  # the Serve response, once placed through Serve
         self.via = "pending"  # "direct" or "serve" once known (tests, debugging)
+        self._placed = asyncio.get_running_loop().create_future()  # a replica took it
         self._task = asyncio.ensure_future(self._run())
         # Its failure is the awaiting driver's to handle; a caller that left must not log it.
-        self._task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        self._task.add_done_callback(self._ended)
+        self._placed.add_done_callback(lambda f: f.cancelled() or f.exception())
 
     def __await__(self):
         return self._task.__await__()
+
+    async def assigned(self) -> None:
+        """Returns once a replica took the call (direct: accepted; through Serve: Serve
+        assigned it, or a BackPressureError when its queue is full)."""
+        await asyncio.shield(self._placed)
 
     def cancel(self) -> None:
         direct = self._direct
@@ -71,6 +79,7 @@ class PlacedCall:
             try:
                 await asyncio.shield(call.accepted)
                 self.via = "direct"
+                self._placed.set_result(None)
                 # Shielded: a cancel of this task must reach the replica as a Cancel frame.
                 return await asyncio.shield(call.result)
             except asyncio.CancelledError:
@@ -80,7 +89,30 @@ class PlacedCall:
                 pass  # refused before it ran: Serve places it
         self.via = "serve"
         self._response = self._fallback()
+        placing = asyncio.ensure_future(assigned(self._response))
+        placing.add_done_callback(self._serve_placed)
         return await self._response
+
+    def _serve_placed(self, placing: asyncio.Future) -> None:
+        if self._placed.done():
+            return
+        if placing.cancelled():
+            self._placed.cancel()
+        elif placing.exception() is not None:
+            self._placed.set_exception(placing.exception())
+        else:
+            self._placed.set_result(None)
+
+    def _ended(self, task: asyncio.Task) -> None:
+        """The call ended: a caller still waiting for its placement learns why."""
+        if self._placed.done():
+            return
+        if task.cancelled():
+            self._placed.cancel()
+        elif task.exception() is not None:
+            self._placed.set_exception(task.exception())
+        else:
+            self._placed.set_result(None)
 
 
 class DirectCaller:
@@ -117,13 +149,14 @@ class DirectCaller:
     def ongoing(self, replica_id: ReplicaID) -> int:
         return self._ongoing.get(replica_id, 0)
 
-    def call(self, method: str, gen: GenerateRequest, args: tuple, fallback: Callable[[], Any]):
-        """``gen``'s call of ``method(*args)``, direct when a replica can take it."""
-        chosen = self._choose(gen)
+    def call(self, method: str, routing: RoutingInfo, args: tuple, fallback: Callable[[], Any]):
+        """The call ``method(*args)`` (routed by ``routing``), direct when a replica can
+        take it, else ``fallback()`` (its Serve handle call)."""
+        chosen = self._choose(routing)
         if chosen is None:
             return fallback()
         replica_id, address = chosen
-        release = self._reserve(replica_id, gen.routing.num_tokens)
+        release = self._reserve(replica_id, routing.num_tokens)
         direct = asyncio.ensure_future(self._submit(self._link(address), method, args, release))
         direct.add_done_callback(lambda t: (t.cancelled() or t.exception()) and release())
         return PlacedCall(direct, fallback)
@@ -171,7 +204,7 @@ class DirectCaller:
             link = self._links[address] = PortLink(address)
         return link
 
-    def _choose(self, gen: GenerateRequest) -> tuple[ReplicaID, CallAddress] | None:
+    def _choose(self, info: RoutingInfo) -> tuple[ReplicaID, CallAddress] | None:
         router = router_for(self.app, self.deployment)
         if router is None:
             return None
@@ -179,7 +212,6 @@ class DirectCaller:
         if _queued(router) > 0:
             return None  # requests wait in Serve's queue: this one queues behind them
         replicas = list(router.curr_replicas.values())
-        info = gen.routing
         if info.hint is not None and replicas:
             ordered = sorted(replicas, key=lambda r: r.replica_id.unique_id)
             replicas = [ordered[info.hint % len(ordered)]]
@@ -205,6 +237,24 @@ class DirectCaller:
             return True
         del self._unreachable[address]
         return False
+
+
+async def assigned(response) -> None:
+    """Returns once the call (a `PlacedCall` or a Serve `DeploymentResponse`) has a replica;
+    raises BackPressureError when the deployment's queue is full. (For a Serve response a
+    private Ray API, hence the fallback: without it, admission is decided by the first
+    delta instead.)"""
+    if isinstance(response, PlacedCall):
+        await response.assigned()
+        return
+    fetch = getattr(response, "_fetch_future_result_async", None)
+    if fetch is None:
+        return
+    try:
+        await fetch()
+    except asyncio.CancelledError:
+        response.cancel()
+        raise
 
 
 def _queued(router: TokenAwareRouter) -> int:

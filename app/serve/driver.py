@@ -3,9 +3,11 @@
 Colocated: one `EngineServer` call per choice. Disaggregated: `prefill` (first token + the
 prompt's KV as store chunks), then one `DecodeServer` call for the rest. With the delta
 channel (`delta_channel: socket`, an inbox given) that call is the unary, long-lived
-`generate_to`, whose deltas arrive through the ingress's `DeltaInbox`; otherwise it is the
-Serve stream `generate`. Cancelling a choice cancels the replica call, whose engine aborts
-the request and frees its KV blocks at once.
+`generate_to`, whose deltas arrive through the ingress's `DeltaInbox`, and the prefill's
+result reaches it through the store's hand-off box; otherwise it is the Serve stream
+`generate`. With the direct call channel (`direct` callers given) these unary calls go over
+the replicas' call ports, else through Serve handles. Cancelling a choice cancels the
+replica call, whose engine aborts the request and frees its KV blocks at once.
 """
 
 from __future__ import annotations
@@ -16,13 +18,13 @@ import dataclasses
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from ray.serve.handle import DeploymentHandle, DeploymentResponse
+from ray.serve.handle import DeploymentHandle
 
 from app.engine.request import RequestDelta
 from app.serve.delta_inbox import DeltaInbox, DeltaQueue
 from app.serve.delta_wire import ReplyTo, head_id
-from app.serve.direct_calls import DirectCaller
-from app.serve.messages import DecodeRequest, GenerateRequest
+from app.serve.direct_calls import DirectCaller, assigned
+from app.serve.messages import DecodeRequest, GenerateRequest, HandOff, PrefillResult, RoutingInfo
 from app.serve.metrics import ReplicaMetrics
 from app.serve.normalize import EngineInfo, NormalizedRequest
 from app.serve.responses import (
@@ -37,9 +39,6 @@ _PLACEMENTS = 1024  # placements kept for the debug view; streams never collect 
 # A replica's generate_to returns after its final delta was written to the socket; the
 # frame normally lands first. Past this wait after the return, the choice fails (503).
 FINAL_DELTA_WAIT_S = 10.0
-# Placing the decode call while the prefill runs needs the prefill's result as a ref (a
-# private Ray API, hence the check: without it the decode call follows the prefill).
-_OVERLAP = hasattr(DeploymentResponse, "_to_object_ref")
 
 
 async def _stream(response) -> AsyncIterator[Any]:
@@ -68,43 +67,25 @@ async def _refused_on_error(
         ticket.refuse(RuntimeError("the choice ended before it was admitted"))
 
 
-async def _assigned(response) -> None:
-    """Returns once Serve has placed the call on a replica; raises BackPressureError when
-    the deployment's queue is full. (A private Ray API, hence the fallback: without it,
-    admission is decided by the first delta instead.)"""
-    fetch = getattr(response, "_fetch_future_result_async", None)
-    if fetch is None:
-        return
-    try:
-        await fetch()
-    except asyncio.CancelledError:
-        response.cancel()
-        raise
-
-
 async def _result(response) -> Any:
     return await response
 
 
-async def _ready(result) -> RequestDelta:
-    return result.first
-
-
-def _decode_request(gen: GenerateRequest, prefill) -> DecodeRequest:
-    """The decode call's message; ``prefill``: its result or a ref to it. A routing hint
-    names a prefill replica, so it does not carry over to the decode deployment."""
+def _decode_request(gen: GenerateRequest, prefill: PrefillResult | HandOff) -> DecodeRequest:
+    """The decode call's message; ``prefill``: its result or where to take it. A routing
+    hint names a prefill replica, so it does not carry over to the decode deployment."""
     return DecodeRequest(gen, prefill, dataclasses.replace(gen.routing, hint=None))
 
 
-def _call_ended(call: asyncio.Task, queue: DeltaQueue) -> None:
-    """A `generate_to` call ended: its error fails the choice (after the deltas already
-    queued); a return means the final delta is on its way."""
+def _call_ended(call: asyncio.Future, queue: DeltaQueue, final: bool = True) -> None:
+    """A call of the choice ended: its error fails the choice (after the deltas already
+    queued); a `generate_to`'s return (``final``) means the final delta is on its way."""
     if call.cancelled():
         return
     error = call.exception()
     if error is not None:
         queue.fail(error)
-    else:
+    elif final:
         queue.expect_final(FINAL_DELTA_WAIT_S)
 
 
@@ -114,19 +95,23 @@ async def _inbox_deltas(
     start: Callable[[ReplyTo], Any],
     admission: AdmissionTicket,
     first: Awaitable[RequestDelta] | None = None,
+    prefill: asyncio.Future | None = None,
 ) -> AsyncIterator[RequestDelta]:
     """One choice's deltas from the inbox while its unary `generate_to` call (``start``)
     runs. ``first``: the prefill's first delta (awaited: the decode call may be placed
     while the prefill runs), given out once the decode call has a replica (so an
     overloaded decode deployment still answers 429 before any byte); if it already ends
-    the choice, the decode call is cancelled."""
+    the choice, the decode call is cancelled. ``prefill``: the prefill call, whose failure
+    (even after its token) fails the choice: its decode call would wait for it in vain."""
     queue = inbox.open(request_id)  # before the call: no delta can be missed
     response = start(inbox.reply_to)
     call = asyncio.ensure_future(_result(response))
     call.add_done_callback(lambda c: _call_ended(c, queue))
+    if prefill is not None:
+        prefill.add_done_callback(lambda p: _call_ended(p, queue, final=False))
     try:
         if first is not None:
-            await _assigned(response)
+            await assigned(response)
             head = await first
             admission.admit()
             yield head
@@ -155,15 +140,17 @@ class RequestDriver:
         engine: DeploymentHandle | None = None,
         record_placement: bool = False,
         inbox: DeltaInbox | None = None,
-        direct: DirectCaller | None = None,
+        direct: dict[str, DirectCaller] | None = None,
     ):
         assert (engine is None) != (prefill is None and decode is None), "one mode"
-        assert direct is None or (engine is not None and inbox is not None), "colocated, socket"
+        assert not direct or inbox is not None, "direct calls send their deltas to an inbox"
         self.metrics = metrics
         self.prefill, self.decode, self.engine = prefill, decode, engine
         self.record_placement = record_placement
         self.inbox = inbox  # None: deltas come back as Serve streams
-        self.direct = direct  # None: every call is a Serve handle call
+        # By deployment ("engine", "prefill", "decode"): its unary calls go direct when they
+        # can; a deployment not here gets every call through its Serve handle.
+        self.direct = direct or {}
         self._info: EngineInfo | None = None
         self.placement: dict[str, dict[str, Any]] = {}  # engine request id -> where it ran
 
@@ -184,8 +171,8 @@ class RequestDriver:
         await self.describe()
         for handle in self.handles:
             await handle.describe.remote()
-        if self.direct is not None:
-            await self.direct.ready()
+        for caller in self.direct.values():
+            await caller.ready()
 
     async def describe(self) -> EngineInfo:
         if self._info is None:
@@ -216,7 +203,9 @@ class RequestDriver:
         self, gen: GenerateRequest, admission: AdmissionTicket
     ) -> AsyncIterator[RequestDelta]:
         if self.engine is not None and self.inbox is not None:
-            start = lambda reply_to: self._generate_to(gen, reply_to)  # noqa: E731
+            start = lambda reply_to: self._place(  # noqa: E731
+                "engine", "generate_to", gen.routing, (gen, reply_to)
+            )
             deltas = _inbox_deltas(self.inbox, gen.request_id, start, admission)
             async with contextlib.aclosing(deltas):  # closing us cancels the call at once
                 async for delta in deltas:
@@ -228,7 +217,7 @@ class RequestDriver:
                 admission.admit()  # the engine took it (its refusal would come first)
                 yield delta
             return
-        if self.inbox is not None and _OVERLAP and gen.params.max_tokens > 1:
+        if self.inbox is not None and gen.params.max_tokens > 1:
             deltas = self._decode_during_prefill(gen, admission)
             async with contextlib.aclosing(deltas):
                 async for delta in deltas:
@@ -245,49 +234,54 @@ class RequestDriver:
             admission.admit()
             yield result.first
             return
-        message = _decode_request(gen, result)
-        if self.inbox is not None:
-            start = lambda reply_to: self.decode.generate_to.remote(message, reply_to)  # noqa: E731
-            deltas = _inbox_deltas(self.inbox, gen.request_id, start, admission, _ready(result))
-            async with contextlib.aclosing(deltas):
-                async for delta in deltas:
-                    yield delta
-            return
-        decode = self.decode.options(stream=True).generate.remote(message)
-        await _assigned(decode)  # before the first token goes out: 429 stays possible
+        decode = self.decode.options(stream=True).generate.remote(_decode_request(gen, result))
+        await assigned(decode)  # before the first token goes out: 429 stays possible
         admission.admit()
         yield result.first
         async for delta in _stream(decode):
             yield delta
 
-    def _generate_to(self, gen: GenerateRequest, reply_to: ReplyTo):
-        """The colocated call: direct when a replica can take it, else through Serve."""
-        serve_call = lambda: self.engine.generate_to.remote(gen, reply_to)  # noqa: E731
-        if self.direct is None:
+    def _place(self, deployment: str, method: str, routing: RoutingInfo, args: tuple):
+        """``deployment``'s unary ``method(*args)``: direct when one of its replicas can
+        take it, else through its Serve handle (awaitable and cancel()-able either way)."""
+        handle = getattr(self, deployment)
+        serve_call = lambda: getattr(handle, method).remote(*args)  # noqa: E731
+        caller = self.direct.get(deployment)
+        if caller is None:
             return serve_call()
-        return self.direct.call("generate_to", gen, (gen, reply_to), serve_call)
+        return caller.call(method, routing, args, serve_call)
 
     async def _decode_during_prefill(
         self, gen: GenerateRequest, admission: AdmissionTicket
     ) -> AsyncIterator[RequestDelta]:
         """Disaggregated with the delta channel: the decode call is placed as soon as the
-        prefill call has a replica and is given a ref to the prefill's result, which the
-        decode replica awaits itself; so the first token waits for the longer of the
-        prefill and the decode assignment, not for both in turn. The prefill replica sends
-        the first token to the inbox ahead of its result (`PrefillServer.prefill_to`)."""
+        prefill call has a replica, and takes the prefill's result from the store's
+        hand-off box itself; so the first token waits for the longer of the prefill and
+        the decode assignment, not for both in turn. The prefill replica sends the first
+        token to the inbox ahead of its result (`PrefillServer.run_prefill_to`). Neither
+        message carries a Ray ref, so both calls may go over the direct call channel."""
         key = head_id(gen.request_id)
         head = self.inbox.open(key)  # before the call: the token cannot be missed
+        hand_off = HandOff(gen.request_id)
         try:
-            prefill = self.prefill.prefill_to.remote(gen, self.inbox.reply_to)
+            prefill = self._place(
+                "prefill", "prefill_to", gen.routing, (gen, self.inbox.reply_to, hand_off)
+            )
             try:
-                result_ref = await prefill._to_object_ref()  # once the prefill has a replica
+                await assigned(prefill)  # a refused prefill (429) places no decode call
             except BaseException:
                 prefill.cancel()
                 raise
-            message = _decode_request(gen, result_ref)
-            first = asyncio.ensure_future(self._first_token(gen, prefill, head))
-            start = lambda reply_to: self.decode.generate_to.remote(message, reply_to)  # noqa: E731
-            deltas = _inbox_deltas(self.inbox, gen.request_id, start, admission, first)
+            result = asyncio.ensure_future(self._prefilled(gen, prefill))
+            result.add_done_callback(lambda t: t.cancelled() or t.exception())  # seen below
+            message = _decode_request(gen, hand_off)
+            first = asyncio.ensure_future(self._first_token(gen, result, head))
+            start = lambda reply_to: self._place(  # noqa: E731
+                "decode", "generate_to", message.routing, (message, reply_to)
+            )
+            deltas = _inbox_deltas(
+                self.inbox, gen.request_id, start, admission, first, prefill=result
+            )
             try:
                 async with contextlib.aclosing(deltas):
                     async for delta in deltas:
@@ -295,35 +289,34 @@ class RequestDriver:
             finally:
                 if not first.done():  # refused (429), cancelled or failed before the token
                     first.cancel()
+                    result.cancel()
                     prefill.cancel()
         finally:
             self.inbox.close(key)
 
-    async def _first_token(self, gen: GenerateRequest, prefill, head: DeltaQueue) -> RequestDelta:
+    async def _first_token(
+        self, gen: GenerateRequest, result: asyncio.Future, head: DeltaQueue
+    ) -> RequestDelta:
         """The prefill's first token: from the inbox when the replica sent it ahead of its
         result, else from the result (whose failure raises here)."""
-        result = asyncio.ensure_future(self._prefilled(gen, prefill))
         early = asyncio.ensure_future(head.get())
         try:
             await asyncio.wait({result, early}, return_when=asyncio.FIRST_COMPLETED)
-        except BaseException:
-            result.cancel()
-            raise
         finally:
             early.cancel()
         if early.done() and not early.cancelled() and early.exception() is None:
-            # The result lands later (placement recorded then); a failure after the token
-            # fails the decode call, which awaits the same result.
-            result.add_done_callback(lambda t: t.cancelled() or t.exception())
+            # The result lands later (placement recorded then); its failure after the
+            # token fails the choice (`_inbox_deltas` watches it).
             return dataclasses.replace(early.result(), request_id=gen.request_id)
         return await result
 
     async def _prefilled(self, gen: GenerateRequest, prefill) -> RequestDelta:
         result = await prefill
-        self._record(gen, result)
+        self._record(gen, result, getattr(prefill, "via", "serve"))
         return result.first
 
-    def _record(self, gen: GenerateRequest, result) -> None:
+    def _record(self, gen: GenerateRequest, result, via: str = "serve") -> None:
+        """Where the choice's prefill ran (``via``: over the direct call channel or Serve)."""
         if not self.record_placement:
             return
         if len(self.placement) > _PLACEMENTS:
@@ -332,4 +325,5 @@ class RequestDriver:
             "prefill_replica": result.replica,
             "store_tokens": result.num_store_tokens,
             "store_failures": result.store_failures,
+            "prefill_via": via,
         }

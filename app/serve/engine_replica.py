@@ -10,9 +10,12 @@ import uuid
 from collections.abc import Coroutine
 from typing import Any
 
+from ray import serve
+
 from app.engine.engine import Engine
 from app.engine.request import Request
 from app.engine.sampling_params import SamplingParams
+from app.kvstore.handoff import HandOffs
 from app.kvstore.store import KVStoreClient
 from app.serve.call_port import CallPort
 from app.serve.config import ServeArgs
@@ -34,21 +37,22 @@ class EngineReplica:
 
     def __init__(self, args: dict[str, Any]):
         self.args = ServeArgs(**args)
-        store = None
+        store, a = None, self.args
+        self.hand_offs: HandOffs | None = None  # prefill -> decode results (disaggregated)
         if self.uses_store:
-            a = self.args
             store = KVStoreClient.from_name(a.store_name, a.store_shards, a.store_capacity_bytes)
+            self.hand_offs = HandOffs(a.store_name)
         self.host = EngineHost(self.args, store, role=self.role)
         self.outbox = DeltaOutbox()  # the delta channel's links to the ingresses
-        self.slots = Slots(self.args.max_ongoing_requests)  # shared by Serve and direct calls
+        self.slots = Slots(max_ongoing(self.args))  # shared by Serve and direct calls
         self.calls = self._call_port()  # direct calls from the ingresses, or None
         warm_up(self.host.engine)
 
     def _call_port(self) -> CallPort | None:
-        """The direct call channel's port (colocated, `call_channel: socket`); Serve runs
-        this constructor on the replica's event loop, where the port then serves."""
+        """The direct call channel's port (`call_channel: socket`); Serve runs this
+        constructor on the replica's event loop, where the port then serves."""
         a = self.args
-        if self.role != "colocated" or a.call_channel != "socket" or a.delta_channel != "socket":
+        if a.call_channel != "socket" or a.delta_channel != "socket":
             return None
         try:
             loop = asyncio.get_running_loop()
@@ -86,6 +90,17 @@ class EngineReplica:
     async def stats(self) -> dict[str, Any]:
         direct = {"direct_calls": self.calls.calls} if self.calls is not None else {}
         return {**self.host.stats(), **direct}
+
+
+def max_ongoing(args: ServeArgs) -> int:
+    """This deployment's `max_ongoing_requests` as Serve runs it: an operator's config may set
+    it apart from the app's args (deploy/gpu.yaml: 128 prefill, 256 decode), and slots sized
+    from the args would hold Serve's calls back in the replica. (A private field of Serve's
+    replica context, hence the fallback to the args: the value the app deploys with.)"""
+    try:
+        return int(serve.get_replica_context()._deployment_config.max_ongoing_requests)
+    except Exception:  # noqa: BLE001 - outside a replica (unit tests), or Serve changed
+        return args.max_ongoing_requests
 
 
 def warm_up(engine: Engine, prompt_len: int = 33) -> float:

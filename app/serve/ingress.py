@@ -65,9 +65,14 @@ class Ingress(GrpcIngress):  # gRPC adapter: app/serve/grpc_servicer.py
         inbox = None
         if self.args.delta_channel == "socket":  # replicas connect here (docs/performance.md)
             inbox = await DeltaInbox.start(ray.util.get_node_ip_address())
-        direct = None
-        if inbox is not None and engine is not None and self.args.call_channel == "socket":
-            direct = DirectCaller(engine.app_name, engine.deployment_name)  # direct_calls.py
+        direct = {}  # deployments whose unary calls may go direct (direct_calls.py)
+        if inbox is not None and self.args.call_channel == "socket":
+            handles = {"engine": engine, "prefill": prefill, "decode": decode}
+            direct = {
+                name: DirectCaller(h.app_name, h.deployment_name)
+                for name, h in handles.items()
+                if h is not None
+            }
         hints = self.args.allow_routing_hints
         self.driver = RequestDriver(
             metrics, prefill, decode, engine, hints, inbox=inbox, direct=direct

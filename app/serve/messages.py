@@ -3,15 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from app.engine.request import RequestDelta
 from app.engine.sampling_params import SamplingParams
 from app.kv.keys import chain_keys, make_salt
 from app.kvstore.store import StoredChunk
-
-if TYPE_CHECKING:
-    from ray import ObjectRef
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,10 +41,18 @@ class PrefillResult:
 
 
 @dataclass(frozen=True, slots=True)
+class HandOff:
+    """Where the decode replica finds the prefill's result: posted under ``key`` to the
+    store's hand-off box (app/kvstore/handoff.py) by the prefill replica. The ingress
+    places the decode call while the prefill runs, with this instead of the result."""
+
+    key: str
+
+
+@dataclass(frozen=True, slots=True)
 class DecodeRequest:
     request: GenerateRequest
-    # or a Ray ObjectRef of it: the ingress places the decode call while the prefill runs
-    prefill: PrefillResult | ObjectRef
+    prefill: PrefillResult | HandOff  # the result, or where the decode replica takes it
     routing: RoutingInfo = field(default_factory=lambda: RoutingInfo(0))
 
 

@@ -20,7 +20,7 @@ from app.kvstore.transfer import publish
 from app.serve.delta_outbox import DeltaLink
 from app.serve.delta_wire import DeltaChannelError, ReplyTo, head_id
 from app.serve.engine_replica import EngineReplica
-from app.serve.messages import GenerateRequest, PrefillResult
+from app.serve.messages import GenerateRequest, HandOff, PrefillResult
 from app.serve.replica import is_full
 from app.serve.streaming import merge
 
@@ -39,12 +39,23 @@ class PrefillServer(EngineReplica):
     async def prefill(self, req: GenerateRequest) -> PrefillResult:
         return await self._prefill(req)
 
-    async def prefill_to(self, req: GenerateRequest, reply_to: ReplyTo) -> PrefillResult:
-        """`prefill`, also sending the first token to the ingress's inbox (key `head_id`)
-        as soon as the engine gives it, before the KV is published and the result returns
-        (measured ~4 ms at 1 stream, ~9 ms at 8 of the first token's path). Should the
-        channel fail, the result still carries the token."""
+    async def prefill_to(
+        self, req: GenerateRequest, reply_to: ReplyTo, hand_off: HandOff
+    ) -> PrefillResult:
+        """`run_prefill_to` once the call has one of the replica's slots, which it shares
+        with direct calls (app/serve/slots.py)."""
+        async with self.slots.held():
+            return await self.run_prefill_to(req, reply_to, hand_off)
 
+    async def run_prefill_to(
+        self, req: GenerateRequest, reply_to: ReplyTo, hand_off: HandOff
+    ) -> PrefillResult:
+        """`prefill`, also sending the first token to the ingress's inbox (key `head_id`)
+        as soon as the engine gives it, before the KV is published (measured ~4 ms at 1
+        stream, ~9 ms at 8 of the first token's path). The result, with the KV's chunk
+        refs, is posted to the hand-off box under ``hand_off.key`` for the decode replica;
+        the ingress gets it without them (no Ray ref in the answer: this call may come over
+        the direct call channel). Should the channel fail, the answer still has the token."""
         try:  # opened (or reused) before the prompt runs, not on the token's path
             link: DeltaLink | None = await self.outbox.link(reply_to)
         except DeltaChannelError as e:
@@ -57,7 +68,10 @@ class PrefillServer(EngineReplica):
                 link.send(head)
                 await link.drained()  # on the wire before the publish starts
 
-        return await self._prefill(req, send_head if link is not None else None)
+        result = await self._prefill(req, send_head if link is not None else None)
+        assert self.hand_offs is not None, "a prefill replica uses the store"
+        await self.hand_offs.post(hand_off.key, result)
+        return dataclasses.replace(result, chunks=[])
 
     async def _prefill(
         self,

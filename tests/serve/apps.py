@@ -46,7 +46,8 @@ def running_app(ray_session, args: dict, name: str = "slimserve"):
     import httpx
     from ray import serve
 
-    from app.kvstore.store import KVStoreClient
+    from app.kvstore.handoff import box_name
+    from app.kvstore.store import STORE_NAMESPACE, KVStoreClient
     from app.serve.build import build_app
     from app.serve.config import ServeArgs
 
@@ -62,6 +63,8 @@ def running_app(ray_session, args: dict, name: str = "slimserve"):
             with contextlib.suppress(Exception):
                 for shard in KVStoreClient.from_name(cfg.store_name, cfg.store_shards).shards:
                     ray_session.kill(shard)
+                box = box_name(cfg.store_name)
+                ray_session.kill(ray_session.get_actor(box, namespace=STORE_NAMESPACE))
 
 
 def _wait_healthy(httpx, deadline_s: float = 120) -> None:

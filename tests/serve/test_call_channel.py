@@ -90,7 +90,7 @@ def test_a_direct_call_runs_generate_to_and_its_deltas_reach_the_inbox():
         caller = DirectCaller(APP, DEPLOYMENT)
         queue = inbox.open("r-0")
         g = gen()
-        placed = caller.call("generate_to", g, (g, inbox.reply_to), no_fallback)
+        placed = caller.call("generate_to", g.routing, (g, inbox.reply_to), no_fallback)
         summary = await asyncio.wait_for(placed, 10)
         deltas = await asyncio.wait_for(read_all(queue), 10)
         await until(lambda: caller.ongoing(replica_at(None).replica_id) == 0)
@@ -115,7 +115,7 @@ async def streaming_forever():
     caller = DirectCaller(APP, DEPLOYMENT)
     queue = inbox.open("r-0")
     g = gen(max_tokens=FOREVER)
-    placed = caller.call("generate_to", g, (g, inbox.reply_to), no_fallback)
+    placed = caller.call("generate_to", g.routing, (g, inbox.reply_to), no_fallback)
     await asyncio.wait_for(queue.get(), 10)  # it runs
     return inbox, engine, port, caller, placed
 
@@ -177,10 +177,10 @@ def test_a_busy_or_unreachable_replica_sends_the_call_through_serve():
         registered_router([replica])
         caller = DirectCaller(APP, DEPLOYMENT)
         g = gen()
-        placed = caller.call("generate_to", g, (g, None), fallback_result)
+        placed = caller.call("generate_to", g.routing, (g, None), fallback_result)
         result = await asyncio.wait_for(placed, 10)
         ongoing = caller.ongoing(replica.replica_id)
-        avoided = caller._choose(g) is None  # an unreachable address is not tried again
+        avoided = caller._choose(g.routing) is None  # an unreachable address is not tried again
         caller.close()
         await port.stop()
         return placed.via, result, ongoing, port.calls, avoided
@@ -259,7 +259,7 @@ def test_a_call_sent_but_never_answered_fails_instead_of_being_placed_again():
         registered_router([replica])
         caller = DirectCaller(APP, DEPLOYMENT)
         g = gen()
-        placed = caller.call("generate_to", g, (g, None), no_fallback)
+        placed = caller.call("generate_to", g.routing, (g, None), no_fallback)
         try:
             await asyncio.wait_for(placed, 10)
         except Exception as e:  # noqa: BLE001 - the error is the result
@@ -340,7 +340,9 @@ def test_errors_reach_the_ingress_as_their_own_type():
         caller = DirectCaller(APP, DEPLOYMENT)
         g = gen()
         try:
-            await asyncio.wait_for(caller.call("generate_to", g, (g, None), no_fallback), 10)
+            await asyncio.wait_for(
+                caller.call("generate_to", g.routing, (g, None), no_fallback), 10
+            )
         except Exception as e:  # noqa: BLE001 - the error is the result
             return e
         finally:

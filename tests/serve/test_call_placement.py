@@ -13,7 +13,7 @@ from app.serve.call_port import CallPort
 from app.serve.colocated import EngineServer
 from app.serve.delta_inbox import DeltaInbox
 from app.serve.direct_calls import DirectCaller
-from app.serve.messages import GenerateRequest, RoutingInfo
+from app.serve.messages import RoutingInfo
 from app.serve.slots import Slots
 from serve.test_call_channel import (
     APP,
@@ -39,9 +39,9 @@ def test_requests_waiting_in_serves_queue_go_first():
         port = await started_port(_server(EngineServer, StepEngine()))
         registered_router([replica_at(port)], queued=1)
         caller = DirectCaller(APP, DEPLOYMENT)
-        chosen = caller._choose(gen())
+        chosen = caller._choose(gen().routing)
         registered_router([replica_at(port)], queued=0)
-        free = caller._choose(gen())
+        free = caller._choose(gen().routing)
         await port.stop()
         return chosen, free
 
@@ -57,12 +57,12 @@ def test_the_chooser_takes_the_cheapest_replica_with_room_and_an_address():
         silent = FakeReplica("c", {"inflight_tokens": 0})  # no address advertised yet
         registered_router([busy, idle, silent])
         caller = DirectCaller(APP, DEPLOYMENT)
-        first = caller._choose(gen(tokens=200))
+        first = caller._choose(gen(tokens=200).routing)
         registered_router([busy, idle, silent], b=8)  # Serve's own calls fill "b"
-        second = caller._choose(gen(tokens=200))
-        hinted = caller._choose(GenerateRequest("h", [1], None, routing=RoutingInfo(1, (), 0)))
+        second = caller._choose(gen(tokens=200).routing)
+        hinted = caller._choose(RoutingInfo(1, (), 0))
         registered_router([silent])
-        none = caller._choose(gen())
+        none = caller._choose(gen().routing)
         for port in ports:
             await port.stop()
         return first, second, hinted, none
@@ -125,13 +125,13 @@ def test_serve_calls_and_direct_calls_share_the_replicas_slots():
         async def through_serve():
             return "through serve"
 
-        placed = caller.call("generate_to", short, (short, inbox.reply_to), through_serve)
+        placed = caller.call("generate_to", short.routing, (short, inbox.reply_to), through_serve)
         refused = await asyncio.wait_for(placed, 10), placed.via
         serve_call.cancel()
         await until(lambda: server.slots.free == 1)
 
         queue = inbox.open("short")
-        direct = caller.call("generate_to", long, (long, inbox.reply_to), no_fallback)
+        direct = caller.call("generate_to", long.routing, (long, inbox.reply_to), no_fallback)
         await until(lambda: "long" in engine.running)
         waiting = asyncio.ensure_future(server.generate_to(short, inbox.reply_to))
         await asyncio.sleep(0.2)
@@ -173,3 +173,27 @@ def test_call_addresses_survive_routing_stats_and_keep_the_token_out_of_reprs():
     assert type(port.address).from_stats(stats) == port.address
     assert port.address.token.hex() not in repr(port.address)
     port._sock.close()
+
+
+def test_a_replicas_slots_follow_serves_max_ongoing_requests(monkeypatch):
+    """An operator's config may set a deployment's max_ongoing_requests apart from the app's
+    args (deploy/gpu.yaml): the slots follow what Serve runs, else Serve's calls past the
+    args' count would wait inside the replica. Seen failing (32) with the slots sized
+    from the args. The private field read is checked to exist on Serve's own classes."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from ray import serve
+    from ray.serve._private.config import DeploymentConfig
+    from ray.serve.context import ReplicaContext
+
+    from app.serve.config import ServeArgs
+    from app.serve.engine_replica import max_ongoing
+
+    assert "_deployment_config" in {f.name for f in dataclasses.fields(ReplicaContext)}
+    assert DeploymentConfig(max_ongoing_requests=7).max_ongoing_requests == 7
+    args = ServeArgs()
+    assert max_ongoing(args) == args.max_ongoing_requests == 32  # outside a replica
+    context = SimpleNamespace(_deployment_config=DeploymentConfig(max_ongoing_requests=256))
+    monkeypatch.setattr(serve, "get_replica_context", lambda: context)
+    assert max_ongoing(args) == 256

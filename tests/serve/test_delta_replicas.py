@@ -14,17 +14,33 @@ from app.serve.decode import DecodeServer
 from app.serve.delta_inbox import DeltaInbox
 from app.serve.delta_outbox import DeltaOutbox
 from app.serve.delta_wire import head_id
-from app.serve.messages import DecodeRequest, GenerateRequest, PrefillResult
+from app.serve.messages import DecodeRequest, GenerateRequest, HandOff, PrefillResult
 from app.serve.prefill import PrefillServer
 from app.serve.slots import Slots
 from app.serve.streaming import merge
 from serve.test_delta_channel import StepEngine
 
 
-def _server(cls, engine: StepEngine):
+class _Box:
+    """The hand-off box's client (app/kvstore/handoff.py HandOffs), in memory."""
+
+    def __init__(self):
+        self.posted: dict[str, object] = {}
+
+    async def post(self, key: str, value: object) -> None:
+        self.posted[key] = value
+
+    async def take(self, key: str) -> object:
+        while key not in self.posted:
+            await asyncio.sleep(0.01)
+        return self.posted.pop(key)
+
+
+def _server(cls, engine: StepEngine, box: _Box | None = None):
     server = object.__new__(cls.func_or_class)  # the deployment's class, not started
     server.outbox = DeltaOutbox()
     server.slots = Slots(8)
+    server.hand_offs = box or _Box()
     server.host = SimpleNamespace(
         inflight_tokens=0,
         async_engine=AsyncEngine(engine),
@@ -42,9 +58,16 @@ def _calls(max_tokens: int):
     gen = GenerateRequest("r-0", [1, 2, 3], SamplingParams(max_tokens=max_tokens))
     first = RequestDelta("r-0", 0, [7], "y", finished=True)
     decode = DecodeRequest(gen, PrefillResult("r-0", first, [], "p"))
+    handed_off = DecodeRequest(gen, HandOff("k"))
+
+    def take_from_the_box(server, to):
+        server.hand_offs.posted["k"] = decode.prefill  # what the prefill replica posted
+        return server.generate_to(handed_off, to)
+
     return [
         (EngineServer, lambda s, to: s.generate_to(gen, to)),
         (DecodeServer, lambda s, to: s.generate_to(decode, to)),
+        (DecodeServer, take_from_the_box),
     ]
 
 
@@ -101,8 +124,10 @@ def test_cancelling_generate_to_aborts_the_engine_request():
 def test_prefill_to_sends_the_first_token_before_publishing_the_kv():
     """Disaggregated: the prefill replica sends the first token to the inbox (under
     `head_id`) as soon as the engine gives it, while the KV publish is still running; the
-    result carries the same token. Seen failing (head.get() timed out) with prefill_to
-    not passing its sender to _prefill."""
+    result carries the same token. The result with the KV's chunk refs goes to the hand-off
+    box under the call's key, the answer to the ingress carries none (it may cross the
+    direct call channel, where a Ray ref must not go). Seen failing (head.get() timed out)
+    with prefill_to not passing its sender to _prefill."""
 
     async def main():
         inbox, call, got, release, _ = await _prefill_to_its_head()
@@ -110,12 +135,14 @@ def test_prefill_to_sends_the_first_token_before_publishing_the_kv():
         release.set()
         result = await call
         await inbox.stop()
-        return got, publishing, result
+        return got, publishing, result, call.server.hand_offs.posted
 
-    got, publishing, result = asyncio.run(main())
+    got, publishing, result, posted = asyncio.run(main())
     assert publishing and got.request_id == head_id("r-0")
     assert got.new_token_ids == result.first.new_token_ids == [1]
     assert result.first.request_id == "r-0" and result.first.exported_chunks is None
+    assert result.chunks == [] and posted["h-0"].chunks == [PUBLISHED]
+    assert posted["h-0"].first == result.first
 
 
 def test_prefill_cancelled_after_its_first_token_still_publishes_the_kv():
@@ -143,7 +170,8 @@ async def _prefill_to_its_head():
     head = inbox.open(head_id("r-0"))
     server, release, published = _publish_held()
     gen = GenerateRequest("r-0", [1, 2, 3], SamplingParams(max_tokens=1))
-    call = asyncio.ensure_future(server.prefill_to(gen, inbox.reply_to))
+    call = asyncio.ensure_future(server.prefill_to(gen, inbox.reply_to, HandOff("h-0")))
+    call.server = server
     got = await asyncio.wait_for(head.get(), 10)
     return inbox, call, got, release, published
 
@@ -160,10 +188,13 @@ def _publish_held() -> tuple[object, asyncio.Event, asyncio.Event]:
     async def publish(exported, reused):
         await release.wait()
         published.set()
-        return []
+        return [PUBLISHED]
 
     server._publish = publish
     return server, release, published
+
+
+PUBLISHED = SimpleNamespace(key=b"k")  # stands in for a published chunk's StoredChunk
 
 
 async def _nothing_stored():

@@ -12,6 +12,7 @@ from ray import serve
 from app import LLM, SamplingParams
 from app.kv.chunk import KVChunk
 from app.kv.chunk_format import ChunkFormat
+from app.kvstore.handoff import WAIT_S, HandOffs
 from app.kvstore.store import KVStoreClient
 from app.kvstore.transfer import fetch_verified
 from app.serve.messages import DecodeRequest, GenerateRequest, RoutingInfo
@@ -184,6 +185,33 @@ def test_corrupted_chunk_is_detected_counted_and_recomputed(url, store, info, of
     healed = asyncio_run(store.match_prefix(keys))
     got = asyncio_run(fetch_verified(store, healed, expectation(info), prompt))
     assert not got.failures and len(got.chunks) == len(keys) == 11
+
+
+def decode_direct_calls() -> int:
+    handle = serve.get_deployment_handle("DecodeServer", "slimserve")  # one replica
+    return handle.stats.remote().result().get("direct_calls", 0)
+
+
+def test_both_calls_go_over_the_direct_channel_and_leave_nothing_in_the_box(url, offline):
+    """Disaggregated, the prefill's and the decode's calls are placed over the direct call
+    channel: neither message carries a Ray ref, the prefill's result (with the KV's chunk
+    refs) reaching the decode replica through the store's hand-off box. The texts match
+    offline, and every hand-off was taken: the box holds nothing after. Seen failing
+    (prefill_via "serve") with the ingress given a direct caller for the colocated engine
+    only."""
+    prompts = [prompt_ids(40 + i, n=70) for i in range(4)]
+    before = decode_direct_calls()
+    for prompt in prompts:
+        got = complete(url, prompt)
+        assert got["choices"][0]["text"] == want_text(offline, prompt)
+        assert got["slimserve"]["choices"][0]["prefill_via"] == "direct"
+    assert decode_direct_calls() - before == len(prompts)
+    box = HandOffs("slimserve-kvstore")
+    # Earlier tests' clients left at the first token: their decode calls' takes end within
+    # WAIT_S in the box (their keys discarded, so nothing stays held).
+    assert eventually(lambda: asyncio_run(box.stats())["waiting"] == 0, WAIT_S + 5)
+    after = asyncio_run(box.stats())
+    assert after["held"] == 0 and after["taken"] >= len(prompts)
 
 
 def test_decode_completes_after_the_prefill_replica_dies(url, store, offline):

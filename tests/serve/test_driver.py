@@ -133,20 +133,23 @@ def test_the_text_is_the_engines_text():
 
 
 class _PrefillCall:
-    """A unary Serve call to a prefill replica: awaitable (its result, once `release`d),
-    `_to_object_ref()` (a ref the decode replica can await) and `cancel()`."""
+    """A unary call to a prefill replica (`prefill_to`): awaitable (its result, once
+    `release`d, which also posts the result to the hand-off ``box`` under its key, as
+    PrefillServer does) and `cancel()`."""
 
-    def __init__(self, calls: list[str], result: PrefillResult):
-        self.calls, self.result = calls, result
+    def __init__(self, calls: list[str], result: PrefillResult, posted: asyncio.Future):
+        self.calls, self.result, self.posted = calls, result, posted
         self.ref: asyncio.Future = asyncio.get_running_loop().create_future()
         self.cancelled = False
 
     def release(self) -> None:
         self.calls.append("prefill.done")
+        self.posted.set_result(self.result)
         self.ref.set_result(self.result)
 
-    async def _to_object_ref(self) -> asyncio.Future:
-        return self.ref
+    def fail(self, error: Exception) -> None:
+        self.calls.append("prefill.failed")
+        self.ref.set_exception(error)  # nothing posted: the decode call would wait
 
     def __await__(self):
         return asyncio.shield(self.ref).__await__()
@@ -156,18 +159,19 @@ class _PrefillCall:
 
 
 class _DecodeCall:
-    """`decode.generate_to.remote(message, reply_to)`: awaits the prefill's result through
-    the message, then sends its deltas to the ingress's inbox, like DecodeServer."""
+    """`decode.generate_to.remote(message, reply_to)`: takes the prefill's result from the
+    hand-off ``box`` (key in the message), then sends its deltas to the ingress's inbox,
+    like DecodeServer."""
 
-    def __init__(self, calls, message, reply_to, deltas, refuse=None):
+    def __init__(self, calls, message, reply_to, deltas, box, refuse=None):
         self.calls, self.refuse, self.message = calls, refuse, message
         self.cancelled = False
-        self.task = asyncio.ensure_future(self._run(message, reply_to, deltas))
+        self.task = asyncio.ensure_future(self._run(message, reply_to, deltas, box))
 
-    async def _run(self, message, reply_to, deltas):
+    async def _run(self, message, reply_to, deltas, box):
         if self.refuse is not None:
             raise self.refuse
-        first = (await message.prefill).first  # placed before the prefill ended
+        first = (await box[message.prefill.key]).first  # placed before the prefill ended
         outbox = DeltaOutbox()
         link = await outbox.link(reply_to)
         for d in deltas:
@@ -198,11 +202,14 @@ def _overlap_driver(calls, first, rest, refuse=None, head=False, release=True):
     """head: the fake prefill sends its token ahead of its result; release: its result
     comes 50 ms after the decode call was placed (else the test releases it)."""
     state = {}
+    box: dict[str, asyncio.Future] = {}  # the hand-off box: key -> the posted result
 
     class Prefill:
-        def remote(self, gen, reply_to):
+        def remote(self, gen, reply_to, hand_off):
             calls.append("prefill")
-            state["prefill"] = _PrefillCall(calls, PrefillResult(gen.request_id, first, [], "p"))
+            posted = box[hand_off.key] = asyncio.get_running_loop().create_future()
+            result = PrefillResult(gen.request_id, first, [], "p")
+            state["prefill"] = _PrefillCall(calls, result, posted)
             if head:
                 state["head"] = asyncio.ensure_future(_send_head(reply_to, first, gen.request_id))
             return state["prefill"]
@@ -210,7 +217,7 @@ def _overlap_driver(calls, first, rest, refuse=None, head=False, release=True):
     class GenerateTo:
         def remote(self, message, reply_to):
             calls.append("decode.generate_to")
-            state["decode"] = _DecodeCall(calls, message, reply_to, rest, refuse)
+            state["decode"] = _DecodeCall(calls, message, reply_to, rest, box, refuse)
             if release:
                 asyncio.get_running_loop().call_later(0.05, state["prefill"].release)
             return state["decode"]
@@ -318,3 +325,39 @@ def test_the_first_token_is_given_out_before_the_prefill_result_arrives():
     assert head.new_token_ids == [40] and not result_arrived
     assert head.text_delta + "".join(d.text_delta for d in later) == "Hello"
     assert later[-1].finish_reason == "stop"
+
+
+def test_a_prefill_that_fails_after_its_token_fails_the_choice_and_cancels_the_decode():
+    """The token can go out before the prefill's result; if the prefill then fails (its
+    replica died before posting the result), the decode call would wait for the hand-off
+    in vain: the choice fails and the decode call is cancelled. Seen failing (collect timed
+    out, the decode call still waiting) without `_inbox_deltas` watching the prefill."""
+    first = delta([40], "He", finished=True)
+    rest = [delta([41], "l"), delta([42, 2], "lo", finished=True, reason="stop")]
+    calls: list[str] = []
+
+    async def go():
+        inbox = await DeltaInbox.start()
+        prefill, decode, state = _overlap_driver(calls, first, rest, head=True, release=False)
+        driver = RequestDriver(
+            ReplicaMetrics("ingress", "test-driver"), prefill=prefill, decode=decode, inbox=inbox
+        )
+        req = NormalizedRequest(
+            "r", "e", "text_completion", [5, 6, 7], SamplingParams(max_tokens=4)
+        )
+        try:
+            stream = await driver.start(req)
+            head = await asyncio.wait_for(stream.first(), 10)
+            state["prefill"].fail(ConnectionError("the prefill replica died"))
+            try:
+                await stream.collect(timeout_s=5)
+            except Exception as e:  # noqa: BLE001 - the test looks at it
+                return head, e, state
+            return head, None, state
+        finally:
+            await inbox.stop()
+
+    head, error, state = asyncio.run(go())
+    assert head.new_token_ids == [40]
+    assert isinstance(error, ConnectionError), error
+    assert state["decode"].cancelled
