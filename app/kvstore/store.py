@@ -35,10 +35,12 @@ SHARD_GONE = (RayActorError, ActorUnschedulableError)
 @dataclass(frozen=True, slots=True)
 class StoredChunk:
     """A chunk in the object store as readers see it; ``ref`` resolves to the encoded chunk
-    (a uint8 array), owned by a store shard."""
+    (a uint8 array), owned by a store shard. A small chunk handed from one replica to one
+    reader (a prompt's partial last chunk, never cached) may travel in-band instead:
+    ``ref`` is then the encoded chunk itself (see `PrefillServer`'s `in_transit`)."""
 
     key: bytes
-    ref: ray.ObjectRef
+    ref: ray.ObjectRef | np.ndarray
     tag: int
     size: int
     token_ids: tuple[int, ...]

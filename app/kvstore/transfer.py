@@ -110,7 +110,9 @@ async def fetch_verified(
     return result
 
 
-async def _get(ref: ray.ObjectRef, timeout_s: float):
+async def _get(ref: ray.ObjectRef | np.ndarray, timeout_s: float):
+    if isinstance(ref, np.ndarray):  # handed over in-band (StoredChunk)
+        return ref
     try:
         return await asyncio.wait_for(ref, timeout_s)
     except (RayError, asyncio.TimeoutError) as e:

@@ -25,6 +25,9 @@ from app.serve.replica import is_full
 from app.serve.streaming import merge
 
 log = logging.getLogger(__name__)
+# Ray passes call arguments up to 100 KiB (its max_direct_call_object_size) in-band and puts
+# larger ones in the object store itself: a partial chunk up to this size travels in-band.
+INLINE_BYTES = 96 << 10
 
 
 @serve.deployment(name="PrefillServer")
@@ -144,17 +147,18 @@ class PrefillServer(EngineReplica):
             log.warning("publishing a prefill's KV failed: %r", task.exception())
 
     async def _publish(self, exported: list, reused: list[StoredChunk]) -> list[StoredChunk]:
-        """Refs for every exported chunk: new full chunks are given to the store (it owns
-        and caches them); a partial last chunk, which is never cached, is put by this
-        replica, which owns it (no store call on the first token's path)."""
+        """Every exported chunk as a `StoredChunk`: new full chunks are given to the store
+        (it owns and caches them); a partial last chunk, which is never cached, travels
+        in-band or is put by this replica, which owns it (`in_transit`: no store call)."""
         store, ct = self.host.store, self.host.chunk_tokens
         known = {s.key: s for s in reused}
         fresh = [c for c in exported if c.key not in known]
         new_full = [c for c in fresh if is_full(c, ct)]
         partial_chunks = [c for c in fresh if not is_full(c, ct)]
-        # The partial chunk's encode + ray.put (~2 ms) in a worker thread, beside the store
-        # puts: this replica's event loop serves the other requests' first tokens meanwhile
-        # (measured at 32 streams: +5-10% tok/s, TTFT p50 -10-25%; docs/performance.md).
+        # The partial chunk's encode (+ ray.put when large, ~2 ms) in a worker thread,
+        # beside the store puts: this replica's event loop serves the other requests'
+        # first tokens meanwhile (measured with the put at 32 streams: +5-10% tok/s, TTFT
+        # p50 -10-25%; docs/performance.md).
         full, partial = await asyncio.gather(
             publish(store, new_full, cache=True),
             asyncio.to_thread(lambda: [in_transit(c) for c in partial_chunks]),
@@ -172,10 +176,14 @@ class PrefillServer(EngineReplica):
 
 
 def in_transit(chunk: KVChunk) -> StoredChunk:
-    """A chunk in the object store for one reader (the decode replica), owned by this
-    process rather than a store shard: one Ray call less before the first token (measured
-    6.7 -> 2.4 ms at 1 stream, 20 -> 3.5 ms at 8). Should the object be lost with this
-    replica, the reader's fetch fails and it recomputes those tokens, as for any missing
-    chunk (tests/serve/test_disaggregation.py kills this replica before the fetch)."""
+    """A chunk for one reader (the decode replica), not cached. Up to `INLINE_BYTES` it
+    travels in-band, inside the result the hand-off box passes on: no object store put
+    (~1 ms of this replica's CPU per request, ~9% of it at 8 streams in py-spy) and no
+    fetch from its owner on the reader's side. Larger, it goes in the object store, owned
+    by this process rather than a store shard (one Ray call less before the first token,
+    measured 6.7 -> 2.4 ms at 1 stream): should the object be lost with this replica, the
+    reader's fetch fails and it recomputes those tokens, as for any missing chunk
+    (tests/serve/test_disaggregation.py kills this replica before the fetch)."""
     data = np.frombuffer(chunk.encode(), dtype=np.uint8)
-    return StoredChunk(chunk.key or b"", ray.put(data), chunk.tag, data.nbytes, chunk.token_ids)
+    payload = data if data.nbytes <= INLINE_BYTES else ray.put(data)
+    return StoredChunk(chunk.key or b"", payload, chunk.tag, data.nbytes, chunk.token_ids)

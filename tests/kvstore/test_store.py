@@ -235,3 +235,35 @@ def test_concurrent_puts_keep_the_books_straight(ray_session):
     assert stats["bytes"] == sum(sizes[k] for k in present)
     assert stats["puts"] - stats["evictions"] == 5
     ray.kill(client.shards[0])
+
+
+def test_a_chunk_handed_over_in_band_is_verified_like_a_stored_one(client):
+    """A small partial chunk may travel in-band (`StoredChunk.ref` the encoded bytes: the
+    prefill replica's `in_transit`): the reader verifies it as any fetched chunk, and a
+    flipped byte is an integrity failure. Seen failing (a fetch failure: TypeError, an array
+    is not awaitable) with `_get` awaiting every ref."""
+    from app.serve.prefill import INLINE_BYTES, in_transit
+
+    chunks = make_chunks()
+    stored = run(publish(client, chunks[:2]))
+    handed = in_transit(chunks[2])
+    assert isinstance(handed.ref, np.ndarray) and handed.size <= INLINE_BYTES
+    got = run(fetch_verified(client, stored + [handed], EXPECT, PROMPT))
+    assert not got.failures and got.num_tokens == len(PROMPT)
+    bad = np.array(handed.ref)
+    bad[-5] ^= 0xFF
+    got = run(
+        fetch_verified(client, stored + [dataclasses.replace(handed, ref=bad)], EXPECT, PROMPT)
+    )
+    assert [r for _, r, _ in got.failures] == ["integrity"] and got.num_tokens == 16
+
+
+def test_a_large_partial_chunk_goes_in_the_object_store(ray_session, monkeypatch):
+    """Above INLINE_BYTES (Ray would put a call argument that large in the object store
+    anyway) the partial chunk is put by its producer and read through the ref."""
+    import app.serve.prefill as prefill
+
+    monkeypatch.setattr(prefill, "INLINE_BYTES", 16)
+    handed = prefill.in_transit(make_chunks()[2])
+    assert isinstance(handed.ref, ray.ObjectRef)
+    assert bytes(ray.get(handed.ref)) == make_chunks()[2].encode()
