@@ -10,8 +10,10 @@ arguments and results, so Ray counts them: the box borrows them until they are t
 
 Either side may come first: a take waits (bounded, ``wait_s``; the caller asks again) for
 the post, and a post waits (``ttl_s``) for its take. A taker that gives up (the decode call
-was cancelled) discards the key, so its value is dropped when posted, which releases its
-refs; a value nobody takes or discards (its decode replica died) is dropped after ``ttl_s``.
+was cancelled) discards the key, and so does the ingress for a choice that ended before its
+decode call completed; a discarded key's value is dropped when posted, which releases its
+refs. A value nobody takes or discards (its decode replica died) is dropped after
+``ttl_s`` by a sweep that runs whether or not calls come.
 """
 
 from __future__ import annotations
@@ -33,6 +35,14 @@ log = logging.getLogger(__name__)
 TTL_S = 600.0
 WAIT_S = 5.0  # one take call waits at most this for the post (the client asks again)
 TAKE_WITHIN_S = 300.0  # a client's take gives up after this in all
+# Calls the box runs at once: each waiting take holds one for up to WAIT_S (Ray's default
+# for an async actor, 1,000, is reached at deploy/gpu.yaml's largest scale).
+MAX_CONCURRENCY = 100_000
+
+
+class HandOffLost(RuntimeError):
+    """The value will not come (the box was lost with it, or none came in time): the decode
+    call fails with this and the request is retriable (HTTP 503 / gRPC UNAVAILABLE)."""
 
 
 class HandOffBox:
@@ -45,8 +55,10 @@ class HandOffBox:
         self._waiting: dict[str, asyncio.Future] = {}  # key -> the take waiting for it
         counters = ("posted", "taken", "expired", "superseded", "discarded")
         self._counters = dict.fromkeys(counters, 0)
+        self._sweeper: asyncio.Task | None = None  # started by the first call (a loop runs)
 
     async def post(self, key: str, value: Any) -> None:
+        self._sweep_now()
         self._counters["posted"] += 1
         if self._discarded.pop(key, None) is not None:
             return  # its taker is gone: drop it now
@@ -54,11 +66,11 @@ class HandOffBox:
         if waiter is not None and not waiter.done():
             waiter.set_result(value)
             return
-        self._expire(time.monotonic())
         self._posted[key] = (time.monotonic(), value)
 
     async def take(self, key: str, wait_s: float = WAIT_S) -> tuple[bool, Any]:
         """(True, the value) once posted, or (False, None) after ``wait_s`` without it."""
+        self._sweep_now()
         if key in self._posted:
             self._counters["taken"] += 1
             return True, self._posted.pop(key)[1]
@@ -85,15 +97,27 @@ class HandOffBox:
 
     async def discard(self, key: str) -> None:
         """The taker of ``key`` is gone: its value is dropped, now or when it is posted."""
+        self._sweep_now()
         self._counters["discarded"] += 1
         if self._posted.pop(key, None) is None:
-            self._expire(time.monotonic())
             self._discarded[key] = time.monotonic()
 
     async def stats(self) -> dict[str, int]:
-        self._expire(time.monotonic())
+        self._sweep_now()
         held = {"held": len(self._posted), "tombstones": len(self._discarded)}
         return {**self._counters, **held, "waiting": len(self._waiting)}
+
+    def _sweep_now(self) -> None:
+        """Expires what is due, and makes sure the periodic sweep runs: without calls (the
+        traffic stopped) nothing else would drop what is left."""
+        self._expire(time.monotonic())
+        if self._sweeper is None or self._sweeper.done():
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(self.ttl_s / 10)
+            self._expire(time.monotonic())
 
     def _expire(self, now: float) -> None:
         while self._posted:
@@ -106,7 +130,7 @@ class HandOffBox:
             self._discarded.popitem(last=False)
 
 
-HandOffActor = ray.remote(num_cpus=0, max_restarts=-1)(HandOffBox)
+HandOffActor = ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=MAX_CONCURRENCY)(HandOffBox)
 
 
 def box_name(store_name: str) -> str:
@@ -123,39 +147,48 @@ def start_box(store_name: str, lifetime: str | None = "detached") -> ActorHandle
 
 
 class HandOffs:
-    """A replica's client of the box; a box found dead is started again (empty: hand-offs
-    in flight are lost with it, and their decode calls fail) and the call retried once."""
+    """A replica's (or the ingress's) client of the box. A box found dead is started again
+    (empty: hand-offs in flight are lost with it); a post is retried there once, a take
+    fails at once (`HandOffLost`: its value, if posted, went with the old box)."""
 
     def __init__(self, store_name: str):
         self.store_name = store_name
         self.box = start_box(store_name)
 
     async def post(self, key: str, value: Any) -> None:
-        await self._call("post", key, value)
+        try:
+            await self.box.post.remote(key, value)
+        except SHARD_GONE as e:
+            self._replace(e)
+            await self.box.post.remote(key, value)
 
     async def take(self, key: str, within_s: float = TAKE_WITHIN_S) -> Any:
-        """The value posted under ``key``; TimeoutError if none comes within ``within_s``.
-        Cancelled (the caller left), it discards the key so the value does not linger."""
+        """The value posted under ``key``; `HandOffLost` if none comes within ``within_s``
+        or the box is lost meanwhile. Cancelled (the caller left), it discards the key so
+        the value does not linger."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + within_s
         try:
             while loop.time() < deadline:
                 wait_s = min(WAIT_S, deadline - loop.time())
-                found, value = await self._call("take", key, wait_s)
+                found, value = await self.box.take.remote(key, wait_s)
                 if found:
                     return value
         except asyncio.CancelledError:
-            self.box.discard.remote(key)  # fire and forget: nobody waits for it
+            self.discard(key)
             raise
-        raise TimeoutError(f"no hand-off under {key!r} within {within_s:.0f}s")
+        except SHARD_GONE as e:
+            self._replace(e)
+            raise HandOffLost(f"the hand-off box was lost while {key!r} was awaited") from e
+        raise HandOffLost(f"no hand-off under {key!r} within {within_s:.0f}s")
+
+    def discard(self, key: str) -> None:
+        """Fire and forget: nobody waits for it (a lost box lost the value anyway)."""
+        self.box.discard.remote(key)
 
     async def stats(self) -> dict[str, int]:
-        return await self._call("stats")
+        return await self.box.stats.remote()
 
-    async def _call(self, method: str, *args) -> Any:
-        try:
-            return await getattr(self.box, method).remote(*args)
-        except SHARD_GONE as e:
-            log.warning("the hand-off box is gone (%s); starting a new one", e)
-            self.box = start_box(self.store_name)
-        return await getattr(self.box, method).remote(*args)
+    def _replace(self, error: Exception) -> None:
+        log.warning("the hand-off box is gone (%s); starting a new one", error)
+        self.box = start_box(self.store_name)

@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import ray
@@ -40,7 +40,7 @@ class StoredChunk:
     ``ref`` is then the encoded chunk itself (see `PrefillServer`'s `in_transit`)."""
 
     key: bytes
-    ref: ray.ObjectRef | np.ndarray
+    ref: ray.ObjectRef | np.ndarray = field(compare=False)  # an array does not compare to bool
     tag: int
     size: int
     token_ids: tuple[int, ...]

@@ -35,6 +35,7 @@ class DeltaQueue:
         self.request_id = request_id
         self.source: object | None = None  # the connection that delivered its deltas
         self.finished = False  # the final delta arrived
+        self.received = False  # some delta arrived
         self._items: list[RequestDelta] = []
         self._error: BaseException | None = None
         self._ready = asyncio.Event()
@@ -45,6 +46,7 @@ class DeltaQueue:
             return
         self._items.append(delta)
         self.finished = delta.finished
+        self.received = True
         self._ready.set()
 
     def fail(self, error: BaseException) -> None:

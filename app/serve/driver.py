@@ -102,13 +102,18 @@ async def _inbox_deltas(
     while the prefill runs), given out once the decode call has a replica (so an
     overloaded decode deployment still answers 429 before any byte); if it already ends
     the choice, the decode call is cancelled. ``prefill``: the prefill call, whose failure
-    (even after its token) fails the choice: its decode call would wait for it in vain."""
+    (even after its token) fails the choice while the decode call has sent nothing: that
+    call would wait for the prefill's result in vain (once it sends, it has the result)."""
     queue = inbox.open(request_id)  # before the call: no delta can be missed
-    response = start(inbox.reply_to)
+    try:
+        response = start(inbox.reply_to)
+    except BaseException:
+        inbox.close(request_id)
+        raise
     call = asyncio.ensure_future(_result(response))
     call.add_done_callback(lambda c: _call_ended(c, queue))
     if prefill is not None:
-        prefill.add_done_callback(lambda p: _call_ended(p, queue, final=False))
+        prefill.add_done_callback(lambda p: queue.received or _call_ended(p, queue, final=False))
     try:
         if first is not None:
             await assigned(response)
@@ -141,6 +146,7 @@ class RequestDriver:
         record_placement: bool = False,
         inbox: DeltaInbox | None = None,
         direct: dict[str, DirectCaller] | None = None,
+        discard_hand_off: Callable[[str], None] | None = None,
     ):
         assert (engine is None) != (prefill is None and decode is None), "one mode"
         assert not direct or inbox is not None, "direct calls send their deltas to an inbox"
@@ -151,6 +157,9 @@ class RequestDriver:
         # By deployment ("engine", "prefill", "decode"): its unary calls go direct when they
         # can; a deployment not here gets every call through its Serve handle.
         self.direct = direct or {}
+        # Disaggregated: drops a prefill's posted result whose decode call will not take it
+        # (the store's hand-off box, app/kvstore/handoff.py); None: nothing to drop.
+        self.discard_hand_off = discard_hand_off
         self._info: EngineInfo | None = None
         self.placement: dict[str, dict[str, Any]] = {}  # engine request id -> where it ran
 
@@ -282,15 +291,21 @@ class RequestDriver:
             deltas = _inbox_deltas(
                 self.inbox, gen.request_id, start, admission, first, prefill=result
             )
-            try:
+            taken, n = False, 0  # taken: the decode call sent its final delta (it took
+            try:  # the result); delta 0 is the prefill's token
                 async with contextlib.aclosing(deltas):
                     async for delta in deltas:
+                        taken, n = n > 0 and delta.finished, n + 1
                         yield delta
             finally:
                 if not first.done():  # refused (429), cancelled or failed before the token
                     first.cancel()
                     result.cancel()
                     prefill.cancel()
+                if not taken and self.discard_hand_off is not None:
+                    # Its decode call may never take the result (refused, cancelled before
+                    # the take, or the token ended the choice): it must not stay in the box.
+                    self.discard_hand_off(hand_off.key)
         finally:
             self.inbox.close(key)
 

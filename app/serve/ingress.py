@@ -14,6 +14,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException
 
+from app.kvstore.handoff import HandOffs
 from app.serve.config import ServeArgs
 from app.serve.delta_inbox import DeltaInbox
 from app.serve.direct_calls import DirectCaller
@@ -74,9 +75,13 @@ class Ingress(GrpcIngress):  # gRPC adapter: app/serve/grpc_servicer.py
                 if h is not None
             }
         hints = self.args.allow_routing_hints
+        discard = None  # results the decode calls of ended choices will not take
+        if prefill is not None:
+            discard = HandOffs(self.args.store_name).discard
         self.driver = RequestDriver(
-            metrics, prefill, decode, engine, hints, inbox=inbox, direct=direct
-        )
+            metrics, prefill, decode, engine, hints, inbox=inbox, direct=direct,
+            discard_hand_off=discard,
+        )  # fmt: skip
         self.normalizer = RequestNormalizer(
             self.args, self.model_name, self.tokenizer, self.driver.describe
         )

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import ray
 
-from app.kvstore.handoff import HandOffBox, HandOffs, box_name
+from app.kvstore.handoff import HandOffBox, HandOffLost, HandOffs, box_name
 from app.kvstore.store import STORE_NAMESPACE
 
 
@@ -156,3 +156,48 @@ def test_a_cancelled_take_discards_its_key(ray_session):
     finally:
         ray.kill(hand_offs.box)
     assert stats["held"] == 0 and stats["discarded"] == 1
+
+
+def test_values_nobody_takes_expire_without_further_calls():
+    """The sweep runs on its own: once traffic stops, what was left (its decode replica
+    died) is dropped all the same, and a post that found its taker waiting does not stop
+    it. Seen failing (1 held) with expiry only inside the box's calls."""
+
+    async def go():
+        box = HandOffBox(ttl_s=0.05)
+        await box.post("left", 1)
+        take = asyncio.ensure_future(box.take("b", 1.0))
+        await asyncio.sleep(0.01)
+        await box.post("b", 2)  # the waiter path
+        await take
+        await asyncio.sleep(0.2)  # no call meanwhile
+        return len(box._posted)
+
+    assert _run(go()) == 0
+
+
+@pytest.mark.ray
+def test_a_take_fails_retriably_at_once_when_the_box_is_lost(ray_session):
+    """A box that dies takes its values with it: the waiting take fails with `HandOffLost`
+    (HTTP 503) at once instead of waiting out TAKE_WITHIN_S in a new, empty box. Seen
+    failing (still waiting after 10 s) with the take retried in the replacement."""
+    from app.serve.responses import error_from_exception
+
+    hand_offs = HandOffs("slimserve-handoff-lost-test")
+
+    async def go():
+        take = asyncio.ensure_future(hand_offs.take("k", within_s=60))
+        await asyncio.sleep(0.5)
+        ray.kill(hand_offs.box, no_restart=True)
+        try:
+            await asyncio.wait_for(take, 10)
+        except HandOffLost as e:
+            return e
+        return None
+
+    try:
+        error = asyncio.run(go())
+    finally:
+        ray.kill(hand_offs.box)
+    assert isinstance(error, HandOffLost), error
+    assert error_from_exception(error, 1).status == 503

@@ -197,3 +197,36 @@ def test_a_replicas_slots_follow_serves_max_ongoing_requests(monkeypatch):
     context = SimpleNamespace(_deployment_config=DeploymentConfig(max_ongoing_requests=256))
     monkeypatch.setattr(serve, "get_replica_context", lambda: context)
     assert max_ongoing(args) == 256
+
+
+def test_a_call_placed_through_serve_reports_serves_refusal_as_its_placement():
+    """A call that goes through Serve (no direct room) is placed when Serve assigns it: its
+    queue being full (BackPressureError) reaches whoever waits for the placement, so the
+    disaggregated first token is still refused with 429 before any byte. Seen failing
+    (assigned() returned) with PlacedCall's placement set when the fallback was made."""
+    from ray.serve.exceptions import BackPressureError
+
+    from app.serve.direct_calls import PlacedCall, assigned
+
+    class Refused:  # a Serve response whose deployment's queue is full
+        async def _fetch_future_result_async(self):
+            raise BackPressureError(num_queued_requests=4, max_queued_requests=4)
+
+        def __await__(self):
+            return self._fetch_future_result_async().__await__()
+
+        def cancel(self):
+            pass
+
+    async def go():
+        no_direct = asyncio.get_running_loop().create_future()
+        no_direct.set_result(None)  # no replica could take it directly
+        placed = PlacedCall(no_direct, Refused)
+        try:
+            await assigned(placed)
+        except BackPressureError as e:
+            return e, placed.via
+        return None, placed.via
+
+    error, via = asyncio.run(go())
+    assert isinstance(error, BackPressureError) and via == "serve"

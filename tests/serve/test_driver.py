@@ -149,7 +149,10 @@ class _PrefillCall:
 
     def fail(self, error: Exception) -> None:
         self.calls.append("prefill.failed")
-        self.ref.set_exception(error)  # nothing posted: the decode call would wait
+        self.ref.set_exception(error)  # unless posted before: the decode call would wait
+
+    def post(self) -> None:
+        self.posted.set_result(self.result)  # the answer to the ingress still to come
 
     def __await__(self):
         return asyncio.shield(self.ref).__await__()
@@ -166,6 +169,7 @@ class _DecodeCall:
     def __init__(self, calls, message, reply_to, deltas, box, refuse=None):
         self.calls, self.refuse, self.message = calls, refuse, message
         self.cancelled = False
+        self.gate: asyncio.Event | None = None  # set: the last delta waits for it
         self.task = asyncio.ensure_future(self._run(message, reply_to, deltas, box))
 
     async def _run(self, message, reply_to, deltas, box):
@@ -174,7 +178,10 @@ class _DecodeCall:
         first = (await box[message.prefill.key]).first  # placed before the prefill ended
         outbox = DeltaOutbox()
         link = await outbox.link(reply_to)
-        for d in deltas:
+        for i, d in enumerate(deltas):
+            if self.gate is not None and i == len(deltas) - 1:
+                await link.drained()
+                await self.gate.wait()
             link.send(dataclasses.replace(d, request_id=message.request.request_id))
         await link.drained()
         return first
@@ -233,9 +240,11 @@ def _run_overlapped(first, rest, refuse=None, max_tokens=4, hints=None):
     async def go():
         inbox = await DeltaInbox.start()
         prefill, decode, state = _overlap_driver(calls, first, rest, refuse)
+        state["discarded"] = []
         driver = RequestDriver(
-            ReplicaMetrics("ingress", "test-driver"), prefill=prefill, decode=decode, inbox=inbox
-        )
+            ReplicaMetrics("ingress", "test-driver"), prefill=prefill, decode=decode, inbox=inbox,
+            discard_hand_off=state["discarded"].append,
+        )  # fmt: skip
         params = SamplingParams(max_tokens=max_tokens)
         req = NormalizedRequest("r", "e", "text_completion", [5, 6, 7], params, hints=hints or {})
         try:
@@ -261,6 +270,7 @@ def test_the_decode_call_is_placed_while_the_prefill_runs():
     assert calls[-3:] == ["prefill", "decode.generate_to", "prefill.done"]
     assert "".join(d.text_delta for d in got) == "Hello"
     assert got[-1].finish_reason == "stop" and not state["prefill"].cancelled
+    assert state["discarded"] == []  # the decode call took the result
 
 
 def test_a_prefill_routing_hint_does_not_follow_the_request_to_the_decode_deployment():
@@ -283,6 +293,7 @@ def test_an_overloaded_decode_deployment_refuses_before_any_byte_and_cancels_the
     got, calls, state = _run_overlapped(first, [], refuse=refused)
     assert isinstance(got, Exception), got
     assert state["prefill"].cancelled
+    assert state["discarded"] == ["e-0"]  # a result posted anyway must not stay in the box
 
 
 def test_a_choice_the_prefill_token_ends_cancels_the_placed_decode_call():
@@ -292,6 +303,9 @@ def test_a_choice_the_prefill_token_ends_cancels_the_placed_decode_call():
     got, calls, state = _run_overlapped(first, [delta([41], "l", finished=True)])
     assert [d.new_token_ids for d in got] == [[2]] and got[0].finish_reason == "stop"
     assert state["decode"].cancelled
+    # The prefill posts its result all the same: the box is told to drop it. Seen failing
+    # (nothing discarded) without the driver's discard.
+    assert state["discarded"] == ["e-0"]
 
 
 def test_the_first_token_is_given_out_before_the_prefill_result_arrives():
@@ -361,3 +375,43 @@ def test_a_prefill_that_fails_after_its_token_fails_the_choice_and_cancels_the_d
     assert head.new_token_ids == [40]
     assert isinstance(error, ConnectionError), error
     assert state["decode"].cancelled
+
+
+def test_a_prefill_that_fails_after_its_decode_call_took_the_result_does_not_end_the_choice():
+    """The prefill replica can die (or its answer be lost) after it posted its result: the
+    decode call that took it and streams must finish the choice. Seen failing (the choice
+    failed with ConnectionError) with the ingress failing the choice on any prefill error."""
+    first = delta([40], "He", finished=True)
+    rest = [delta([41], "l"), delta([42, 2], "lo", finished=True, reason="stop")]
+    calls: list[str] = []
+
+    async def go():
+        inbox = await DeltaInbox.start()
+        prefill, decode, state = _overlap_driver(calls, first, rest, head=True, release=False)
+        driver = RequestDriver(
+            ReplicaMetrics("ingress", "test-driver"), prefill=prefill, decode=decode, inbox=inbox
+        )
+        req = NormalizedRequest(
+            "r", "e", "text_completion", [5, 6, 7], SamplingParams(max_tokens=4)
+        )
+        try:
+            stream = await driver.start(req)
+            head = await asyncio.wait_for(stream.first(), 10)
+            state["decode"].gate = gate = asyncio.Event()
+            state["prefill"].post()
+            queue = inbox._queues["e-0"]
+            for _ in range(200):  # until the decode call's first delta is in the inbox
+                if queue.received:
+                    break
+                await asyncio.sleep(0.01)
+            assert queue.received
+            state["prefill"].fail(ConnectionError("the prefill replica died after posting"))
+            await asyncio.sleep(0.05)
+            gate.set()
+            return head, await stream.collect(timeout_s=5)
+        finally:
+            await inbox.stop()
+
+    head, rest_got = asyncio.run(go())
+    text = head.text_delta + "".join(d.text_delta for d in rest_got[0])
+    assert text == "Hello" and rest_got[0][-1].finish_reason == "stop"
