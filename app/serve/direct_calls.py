@@ -52,7 +52,7 @@ class PlacedCall:
         self._placed = asyncio.get_running_loop().create_future()  # a replica took it
         self._task = asyncio.ensure_future(self._run())
         # Its failure is the awaiting driver's to handle; a caller that left must not log it.
-        self._task.add_done_callback(self._ended)
+        self._task.add_done_callback(self._settle)
         self._placed.add_done_callback(lambda f: f.cancelled() or f.exception())
 
     def __await__(self):
@@ -90,27 +90,18 @@ class PlacedCall:
         self.via = "serve"
         self._response = self._fallback()
         placing = asyncio.ensure_future(assigned(self._response))
-        placing.add_done_callback(self._serve_placed)
+        placing.add_done_callback(self._settle)
         return await self._response
 
-    def _serve_placed(self, placing: asyncio.Future) -> None:
+    def _settle(self, source: asyncio.Future) -> None:
+        """``source`` ended (Serve's assignment of the fallback, or the call itself): a
+        caller still waiting for the placement learns how."""
         if self._placed.done():
             return
-        if placing.cancelled():
+        if source.cancelled():
             self._placed.cancel()
-        elif placing.exception() is not None:
-            self._placed.set_exception(placing.exception())
-        else:
-            self._placed.set_result(None)
-
-    def _ended(self, task: asyncio.Task) -> None:
-        """The call ended: a caller still waiting for its placement learns why."""
-        if self._placed.done():
-            return
-        if task.cancelled():
-            self._placed.cancel()
-        elif task.exception() is not None:
-            self._placed.set_exception(task.exception())
+        elif source.exception() is not None:
+            self._placed.set_exception(source.exception())
         else:
             self._placed.set_result(None)
 

@@ -341,27 +341,30 @@ def test_the_first_token_is_given_out_before_the_prefill_result_arrives():
     assert later[-1].finish_reason == "stop"
 
 
+async def _streaming_past_its_head(calls: list[str]):
+    """A choice whose prefill sent its token ahead and holds its result, read up to that
+    token: -> (inbox, stream, state, head)."""
+    first = delta([40], "He", finished=True)
+    rest = [delta([41], "l"), delta([42, 2], "lo", finished=True, reason="stop")]
+    inbox = await DeltaInbox.start()
+    prefill, decode, state = _overlap_driver(calls, first, rest, head=True, release=False)
+    driver = RequestDriver(
+        ReplicaMetrics("ingress", "test-driver"), prefill=prefill, decode=decode, inbox=inbox
+    )
+    req = NormalizedRequest("r", "e", "text_completion", [5, 6, 7], SamplingParams(max_tokens=4))
+    stream = await driver.start(req)
+    return inbox, stream, state, await asyncio.wait_for(stream.first(), 10)
+
+
 def test_a_prefill_that_fails_after_its_token_fails_the_choice_and_cancels_the_decode():
     """The token can go out before the prefill's result; if the prefill then fails (its
     replica died before posting the result), the decode call would wait for the hand-off
     in vain: the choice fails and the decode call is cancelled. Seen failing (collect timed
     out, the decode call still waiting) without `_inbox_deltas` watching the prefill."""
-    first = delta([40], "He", finished=True)
-    rest = [delta([41], "l"), delta([42, 2], "lo", finished=True, reason="stop")]
-    calls: list[str] = []
 
     async def go():
-        inbox = await DeltaInbox.start()
-        prefill, decode, state = _overlap_driver(calls, first, rest, head=True, release=False)
-        driver = RequestDriver(
-            ReplicaMetrics("ingress", "test-driver"), prefill=prefill, decode=decode, inbox=inbox
-        )
-        req = NormalizedRequest(
-            "r", "e", "text_completion", [5, 6, 7], SamplingParams(max_tokens=4)
-        )
+        inbox, stream, state, head = await _streaming_past_its_head([])
         try:
-            stream = await driver.start(req)
-            head = await asyncio.wait_for(stream.first(), 10)
             state["prefill"].fail(ConnectionError("the prefill replica died"))
             try:
                 await stream.collect(timeout_s=5)
@@ -381,22 +384,10 @@ def test_a_prefill_that_fails_after_its_decode_call_took_the_result_does_not_end
     """The prefill replica can die (or its answer be lost) after it posted its result: the
     decode call that took it and streams must finish the choice. Seen failing (the choice
     failed with ConnectionError) with the ingress failing the choice on any prefill error."""
-    first = delta([40], "He", finished=True)
-    rest = [delta([41], "l"), delta([42, 2], "lo", finished=True, reason="stop")]
-    calls: list[str] = []
 
     async def go():
-        inbox = await DeltaInbox.start()
-        prefill, decode, state = _overlap_driver(calls, first, rest, head=True, release=False)
-        driver = RequestDriver(
-            ReplicaMetrics("ingress", "test-driver"), prefill=prefill, decode=decode, inbox=inbox
-        )
-        req = NormalizedRequest(
-            "r", "e", "text_completion", [5, 6, 7], SamplingParams(max_tokens=4)
-        )
+        inbox, stream, state, head = await _streaming_past_its_head([])
         try:
-            stream = await driver.start(req)
-            head = await asyncio.wait_for(stream.first(), 10)
             state["decode"].gate = gate = asyncio.Event()
             state["prefill"].post()
             queue = inbox._queues["e-0"]
