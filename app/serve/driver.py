@@ -272,6 +272,7 @@ class RequestDriver:
         key = head_id(gen.request_id)
         head = self.inbox.open(key)  # before the call: the token cannot be missed
         hand_off = HandOff(gen.request_id)
+        taken = False  # the decode call sent its final delta: it took the prefill's result
         try:
             prefill = self._place(
                 "prefill", "prefill_to", gen.routing, (gen, self.inbox.reply_to, hand_off)
@@ -291,8 +292,8 @@ class RequestDriver:
             deltas = _inbox_deltas(
                 self.inbox, gen.request_id, start, admission, first, prefill=result
             )
-            taken, n = False, 0  # taken: the decode call sent its final delta (it took
-            try:  # the result); delta 0 is the prefill's token
+            n = 0  # delta 0 is the prefill's token
+            try:
                 async with contextlib.aclosing(deltas):
                     async for delta in deltas:
                         taken, n = n > 0 and delta.finished, n + 1
@@ -302,12 +303,14 @@ class RequestDriver:
                     first.cancel()
                     result.cancel()
                     prefill.cancel()
-                if not taken and self.discard_hand_off is not None:
-                    # Its decode call may never take the result (refused, cancelled before
-                    # the take, or the token ended the choice): it must not stay in the box.
-                    self.discard_hand_off(hand_off.key)
         finally:
             self.inbox.close(key)
+            if not taken and self.discard_hand_off is not None:
+                # Its decode call may never take the result (refused, cancelled before the
+                # take, or the token ended the choice), and a prefill cancelled late may
+                # still have posted it (even while its placement was awaited): it must not
+                # stay in the box.
+                self.discard_hand_off(hand_off.key)
 
     async def _first_token(
         self, gen: GenerateRequest, result: asyncio.Future, head: DeltaQueue

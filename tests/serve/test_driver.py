@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 from types import SimpleNamespace
 
@@ -406,3 +407,41 @@ def test_a_prefill_that_fails_after_its_decode_call_took_the_result_does_not_end
     head, rest_got = asyncio.run(go())
     text = head.text_delta + "".join(d.text_delta for d in rest_got[0])
     assert text == "Hello" and rest_got[0][-1].finish_reason == "stop"
+
+
+def test_a_choice_cancelled_while_its_prefill_is_placed_discards_the_hand_off():
+    """Cancelled while the prefill call's placement is awaited, the choice cancels that
+    call, which may still have run and posted its result (the soak found one such result
+    left in the box under load): the ingress discards the key all the same. Seen failing
+    (nothing discarded) with the discard only after the placement."""
+    calls: list[str] = []
+
+    async def go():
+        inbox = await DeltaInbox.start()
+        prefill, decode, state = _overlap_driver(calls, delta([40], "He", finished=True), [])
+        placing = asyncio.get_running_loop().create_future()  # never placed
+        remote = prefill.prefill_to.remote
+
+        def slow_to_place(*args):
+            call = remote(*args)
+            call._fetch_future_result_async = lambda: asyncio.shield(placing)
+            return call
+
+        prefill.prefill_to.remote = slow_to_place
+        discarded: list[str] = []
+        driver = RequestDriver(
+            ReplicaMetrics("ingress", "test-driver"), prefill=prefill, decode=decode, inbox=inbox,
+            discard_hand_off=discarded.append,
+        )  # fmt: skip
+        req = NormalizedRequest(
+            "r", "e", "text_completion", [5, 6, 7], SamplingParams(max_tokens=4)
+        )
+        stream = await driver.start(req)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stream.first(), 0.2)  # the client gives up
+        await asyncio.sleep(0.05)
+        await inbox.stop()
+        return discarded, state
+
+    discarded, state = asyncio.run(go())
+    assert state["prefill"].cancelled and discarded == ["e-0"]

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import ray
 
+from app.kvstore.handoff import WAIT_S, HandOffs
 from app.kvstore.store import KVStoreClient
 from reliability.serve.apps import offline_texts, served_app
 from reliability.serve.clients import wait_idle
@@ -117,3 +118,11 @@ def test_disaggregated_soak_keeps_store_in_budget_and_frees_blocks(app, long_mod
     total = asyncio.run(store.stats())
     assert total["hits"] > 0 and total["evictions"] > 0, total  # the budget was exercised
     assert growth < RSS_BOUND_MIB
+    # Every prefill result handed to a decode call was taken or discarded (cancelled and
+    # timed-out requests included): the hand-off box holds nothing once the takes end.
+    box = HandOffs(STORE)
+    end = time.monotonic() + WAIT_S + 5
+    while (held := asyncio.run(box.stats()))["waiting"] and time.monotonic() < end:
+        time.sleep(0.2)
+    print(f"hand-off box after soak: {held}")
+    assert held["held"] == 0 and held["waiting"] == 0, held
