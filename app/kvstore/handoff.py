@@ -33,6 +33,10 @@ log = logging.getLogger(__name__)
 # A posted value not taken within this is dropped. Long: a decode call may wait in Serve's
 # queue (its deployment full) while its prefill runs and posts; cancelled ones discard.
 TTL_S = 600.0
+# A discarded key is remembered this long, to drop a post that comes after the discard (its
+# prefill was cancelled late, so it posts within its own run, seconds at most). Shorter than
+# TTL_S: under an overload storm every refused or cancelled choice leaves one.
+TOMBSTONE_TTL_S = 60.0
 WAIT_S = 5.0  # one take call waits at most this for the post (the client asks again)
 TAKE_WITHIN_S = 300.0  # a client's take gives up after this in all
 # Calls the box runs at once: each waiting take holds one for up to WAIT_S (Ray's default
@@ -48,8 +52,8 @@ class HandOffLost(RuntimeError):
 class HandOffBox:
     """Run as an async Ray actor (``HandOffActor``); every method runs on its event loop."""
 
-    def __init__(self, ttl_s: float = TTL_S):
-        self.ttl_s = ttl_s
+    def __init__(self, ttl_s: float = TTL_S, tombstone_ttl_s: float = TOMBSTONE_TTL_S):
+        self.ttl_s, self.tombstone_ttl_s = ttl_s, tombstone_ttl_s
         self._posted: OrderedDict[str, tuple[float, Any]] = OrderedDict()  # oldest first
         self._discarded: OrderedDict[str, float] = OrderedDict()  # discarded before posted
         self._waiting: dict[str, asyncio.Future] = {}  # key -> the take waiting for it
@@ -100,6 +104,7 @@ class HandOffBox:
         self._sweep_now()
         self._counters["discarded"] += 1
         if self._posted.pop(key, None) is None:
+            self._discarded.pop(key, None)  # kept in time order: a repeat goes to the end
             self._discarded[key] = time.monotonic()
 
     async def stats(self) -> dict[str, int]:
@@ -116,7 +121,7 @@ class HandOffBox:
 
     async def _sweep(self) -> None:
         while True:
-            await asyncio.sleep(self.ttl_s / 10)
+            await asyncio.sleep(min(self.ttl_s, self.tombstone_ttl_s) / 10)
             self._expire(time.monotonic())
 
     def _expire(self, now: float) -> None:
@@ -126,7 +131,9 @@ class HandOffBox:
                 break
             del self._posted[key]
             self._counters["expired"] += 1
-        while self._discarded and now - next(iter(self._discarded.values())) >= self.ttl_s:
+        while self._discarded:
+            if now - next(iter(self._discarded.values())) < self.tombstone_ttl_s:
+                break
             self._discarded.popitem(last=False)
 
 

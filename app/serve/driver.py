@@ -18,6 +18,7 @@ import dataclasses
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
 from app.engine.request import RequestDelta
@@ -272,15 +273,18 @@ class RequestDriver:
         key = head_id(gen.request_id)
         head = self.inbox.open(key)  # before the call: the token cannot be missed
         hand_off = HandOff(gen.request_id)
-        taken = False  # the decode call sent its final delta: it took the prefill's result
+        # True once nothing of this choice can stay in the hand-off box: its decode call took
+        # the result, or the prefill was refused (never runs, never posts)
+        settled = False
         try:
             prefill = self._place(
                 "prefill", "prefill_to", gen.routing, (gen, self.inbox.reply_to, hand_off)
             )
             try:
                 await assigned(prefill)  # a refused prefill (429) places no decode call
-            except BaseException:
+            except BaseException as e:
                 prefill.cancel()
+                settled = isinstance(e, BackPressureError)
                 raise
             result = asyncio.ensure_future(self._prefilled(gen, prefill))
             result.add_done_callback(lambda t: t.cancelled() or t.exception())  # seen below
@@ -296,7 +300,7 @@ class RequestDriver:
             try:
                 async with contextlib.aclosing(deltas):
                     async for delta in deltas:
-                        taken, n = n > 0 and delta.finished, n + 1
+                        settled, n = n > 0 and delta.finished, n + 1
                         yield delta
             finally:
                 if not first.done():  # refused (429), cancelled or failed before the token
@@ -305,7 +309,7 @@ class RequestDriver:
                     prefill.cancel()
         finally:
             self.inbox.close(key)
-            if not taken and self.discard_hand_off is not None:
+            if not settled and self.discard_hand_off is not None:
                 # Its decode call may never take the result (refused, cancelled before the
                 # take, or the token ended the choice), and a prefill cancelled late may
                 # still have posted it (even while its placement was awaited): it must not

@@ -445,3 +445,45 @@ def test_a_choice_cancelled_while_its_prefill_is_placed_discards_the_hand_off():
 
     discarded, state = asyncio.run(go())
     assert state["prefill"].cancelled and discarded == ["e-0"]
+
+
+def test_a_refused_prefill_leaves_nothing_to_discard():
+    """A prefill refused by Serve's queue (429) never runs nor posts: no discard for it (an
+    overload storm would otherwise fill the box with keys nobody posts). Seen failing
+    (discarded ['e-0']) with every unsettled choice discarding."""
+    from ray.serve.exceptions import BackPressureError
+
+    calls: list[str] = []
+
+    async def go():
+        inbox = await DeltaInbox.start()
+        prefill, decode, state = _overlap_driver(calls, delta([40], "He", finished=True), [])
+        remote = prefill.prefill_to.remote
+
+        async def refused():
+            raise BackPressureError(num_queued_requests=4, max_queued_requests=4)
+
+        def full_queue(*args):
+            call = remote(*args)
+            call._fetch_future_result_async = refused
+            return call
+
+        prefill.prefill_to.remote = full_queue
+        discarded: list[str] = []
+        driver = RequestDriver(
+            ReplicaMetrics("ingress", "test-driver"), prefill=prefill, decode=decode, inbox=inbox,
+            discard_hand_off=discarded.append,
+        )  # fmt: skip
+        req = NormalizedRequest(
+            "r", "e", "text_completion", [5, 6, 7], SamplingParams(max_tokens=4)
+        )
+        stream = await driver.start(req)
+        try:
+            await stream.first()
+        except BackPressureError as e:
+            error = e
+        await inbox.stop()
+        return error, discarded
+
+    error, discarded = asyncio.run(go())
+    assert isinstance(error, BackPressureError) and discarded == []
