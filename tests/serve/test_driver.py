@@ -409,34 +409,37 @@ def test_a_prefill_that_fails_after_its_decode_call_took_the_result_does_not_end
     assert text == "Hello" and rest_got[0][-1].finish_reason == "stop"
 
 
+async def _placing_prefill(placement):
+    """A stream whose prefill call's placement is ``placement()`` (what Serve's assignment
+    awaits), with the discards recorded: -> (inbox, stream, state, discarded)."""
+    inbox = await DeltaInbox.start()
+    prefill, decode, state = _overlap_driver([], delta([40], "He", finished=True), [])
+    remote = prefill.prefill_to.remote
+
+    def placed_so(*args):
+        call = remote(*args)
+        call._fetch_future_result_async = placement
+        return call
+
+    prefill.prefill_to.remote = placed_so
+    discarded: list[str] = []
+    driver = RequestDriver(
+        ReplicaMetrics("ingress", "test-driver"), prefill=prefill, decode=decode, inbox=inbox,
+        discard_hand_off=discarded.append,
+    )  # fmt: skip
+    req = NormalizedRequest("r", "e", "text_completion", [5, 6, 7], SamplingParams(max_tokens=4))
+    return inbox, await driver.start(req), state, discarded
+
+
 def test_a_choice_cancelled_while_its_prefill_is_placed_discards_the_hand_off():
     """Cancelled while the prefill call's placement is awaited, the choice cancels that
     call, which may still have run and posted its result (the soak found one such result
     left in the box under load): the ingress discards the key all the same. Seen failing
     (nothing discarded) with the discard only after the placement."""
-    calls: list[str] = []
 
     async def go():
-        inbox = await DeltaInbox.start()
-        prefill, decode, state = _overlap_driver(calls, delta([40], "He", finished=True), [])
-        placing = asyncio.get_running_loop().create_future()  # never placed
-        remote = prefill.prefill_to.remote
-
-        def slow_to_place(*args):
-            call = remote(*args)
-            call._fetch_future_result_async = lambda: asyncio.shield(placing)
-            return call
-
-        prefill.prefill_to.remote = slow_to_place
-        discarded: list[str] = []
-        driver = RequestDriver(
-            ReplicaMetrics("ingress", "test-driver"), prefill=prefill, decode=decode, inbox=inbox,
-            discard_hand_off=discarded.append,
-        )  # fmt: skip
-        req = NormalizedRequest(
-            "r", "e", "text_completion", [5, 6, 7], SamplingParams(max_tokens=4)
-        )
-        stream = await driver.start(req)
+        never = asyncio.get_running_loop().create_future()
+        inbox, stream, state, discarded = await _placing_prefill(lambda: asyncio.shield(never))
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(stream.first(), 0.2)  # the client gives up
         await asyncio.sleep(0.05)
@@ -453,31 +456,12 @@ def test_a_refused_prefill_leaves_nothing_to_discard():
     (discarded ['e-0']) with every unsettled choice discarding."""
     from ray.serve.exceptions import BackPressureError
 
-    calls: list[str] = []
+    async def refused():
+        raise BackPressureError(num_queued_requests=4, max_queued_requests=4)
 
     async def go():
-        inbox = await DeltaInbox.start()
-        prefill, decode, state = _overlap_driver(calls, delta([40], "He", finished=True), [])
-        remote = prefill.prefill_to.remote
-
-        async def refused():
-            raise BackPressureError(num_queued_requests=4, max_queued_requests=4)
-
-        def full_queue(*args):
-            call = remote(*args)
-            call._fetch_future_result_async = refused
-            return call
-
-        prefill.prefill_to.remote = full_queue
-        discarded: list[str] = []
-        driver = RequestDriver(
-            ReplicaMetrics("ingress", "test-driver"), prefill=prefill, decode=decode, inbox=inbox,
-            discard_hand_off=discarded.append,
-        )  # fmt: skip
-        req = NormalizedRequest(
-            "r", "e", "text_completion", [5, 6, 7], SamplingParams(max_tokens=4)
-        )
-        stream = await driver.start(req)
+        inbox, stream, _, discarded = await _placing_prefill(refused)
+        error = None
         try:
             await stream.first()
         except BackPressureError as e:
