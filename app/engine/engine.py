@@ -245,11 +245,11 @@ class Engine:
             delta = self._emit(seq, tokens)
             if delta is None:
                 continue
-            if seq.request.prefill_only:  # hand the prompt's KV over (off the step), stop
-                delta.finished, seq.status = True, SeqStatus.FINISHED
-                self.transfers.start_export(seq, delta)  # the delta returns with the chunks
+            if seq.request.prefill_only:  # the token goes out now, the KV after it
+                seq.status = SeqStatus.FINISHED
+                self.transfers.start_export(seq, delta)  # off the step: the final delta
                 self._finish(seq)
-                continue
+                delta.finished = False  # the export's delta ends the request
             if seq.finished:
                 self._finish(seq)
             deltas.append(delta)

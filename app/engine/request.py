@@ -23,7 +23,9 @@ class Request:
     sampling_params: SamplingParams = field(default_factory=SamplingParams)
     cache_salt: str | None = None  # tenant isolation: part of every block key
     kv_import: list[Any] | None = None  # KVChunks to load before computing the rest
-    prefill_only: bool = False  # stop after the first token and export the KV
+    # Stop after the first token and export the KV: the token's delta comes first (not
+    # final), then a final one with `exported_chunks` and no token (app/engine/transfers.py)
+    prefill_only: bool = False
     # Output tokens sampled by another replica (a prefill replica's first token): they end
     # prompt_token_ids, and a structured output's grammar replays them before sampling.
     prior_output_ids: list[int] = field(default_factory=list)

@@ -8,7 +8,9 @@ the step thread, in ``poll`` at the start of each step, so the BlockManager stay
 single-threaded:
 
 - export: the sequence's blocks stay pinned (``hand_over``) until the worker has read them;
-  the first-token delta comes back from ``poll`` with ``exported_chunks`` set;
+  the first token's delta goes out at once (not final: the caller need not wait for the
+  copy), and the request's final delta, no token, comes back from ``poll`` with
+  ``exported_chunks`` set;
 - import: ``hold_for_import`` pins every block from import until admission
   (``Scheduler._admit`` drops the hold once the prefix match pinned them again), fresh
   blocks become findable only after the worker wrote them (``commit_import``);
@@ -116,12 +118,16 @@ class Transfers:
         self._submit(ImportJob(request_id, run, hold, self._event()))
         return hold
 
-    def start_export(self, seq: Sequence, delta: RequestDelta) -> None:
-        """Takes seq's blocks; poll returns delta with the chunks once they are encoded."""
+    def start_export(self, seq: Sequence, first: RequestDelta) -> None:
+        """Takes seq's blocks; poll returns the request's final delta (``first``'s fields,
+        no token: that went out already) with the chunks once they are encoded."""
         prompt = seq.token_ids[: seq.num_prompt_tokens]
         hashes = seq.block_hashes[: len(prompt) // self.blocks.block_size]
         block_ids = self.blocks.hand_over(seq)
-        job = ExportJob(seq.request_id, delta, prompt, block_ids, seq.salt, hashes, self._event())
+        final = dataclasses.replace(
+            first, new_token_ids=[], text_delta="", logprobs=None, finished=True
+        )
+        job = ExportJob(seq.request_id, final, prompt, block_ids, seq.salt, hashes, self._event())
         self._submit(job)
 
     def cancel(self, request_id: str, seqs: list[Sequence]) -> list[RequestDelta]:
@@ -242,14 +248,5 @@ def _exported(delta: RequestDelta, chunks, error) -> RequestDelta:
 
 
 def _ended(delta: RequestDelta, reason: str, error: str | None = None) -> RequestDelta:
-    """The closing delta of an export that did not deliver: no token, no chunks."""
-    return dataclasses.replace(
-        delta,
-        new_token_ids=[],
-        text_delta="",
-        logprobs=None,
-        finished=True,
-        finish_reason=reason,
-        exported_chunks=None,
-        error=error,
-    )
+    """The final delta of an export that did not deliver (``delta``: one with no token)."""
+    return dataclasses.replace(delta, finish_reason=reason, exported_chunks=None, error=error)

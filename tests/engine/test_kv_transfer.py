@@ -44,9 +44,10 @@ def test_prefill_export_then_import_continues_like_one_engine(llama_path, kv_dty
         for t in d.new_token_ids
     ]
 
-    (first,) = run(prefill, Request("p", PROMPT, GREEDY, prefill_only=True))
-    assert first.finished and first.finish_reason is None and len(first.new_token_ids) == 1
-    chunks = first.exported_chunks
+    first, done = run(prefill, Request("p", PROMPT, GREEDY, prefill_only=True))
+    assert not first.finished and len(first.new_token_ids) == 1  # the token, then the KV
+    assert done.finished and done.finish_reason is None and not done.new_token_ids
+    chunks = done.exported_chunks
     assert [c.meta.num_tokens for c in chunks] == [32, 32, 11]
     assert [c.meta.start_pos for c in chunks] == [0, 32, 64]
     assert chunks[1].meta.parent_key == chunks[0].key
@@ -62,9 +63,9 @@ def test_prefill_export_then_import_continues_like_one_engine(llama_path, kv_dty
 
 def test_import_under_another_cache_salt_is_ignored(engines):
     prefill, decode = engines
-    (first,) = run(prefill, Request("p2", PROMPT, GREEDY, cache_salt="a", prefill_only=True))
+    first, done = run(prefill, Request("p2", PROMPT, GREEDY, cache_salt="a", prefill_only=True))
     req = Request(
-        "d2", PROMPT + first.new_token_ids, GREEDY, cache_salt="b", kv_import=first.exported_chunks
+        "d2", PROMPT + first.new_token_ids, GREEDY, cache_salt="b", kv_import=done.exported_chunks
     )
     rest = run(decode, req)
     assert rest[0].num_cached_tokens == 0
@@ -72,9 +73,9 @@ def test_import_under_another_cache_salt_is_ignored(engines):
 
 def test_import_of_chunks_for_another_prompt_is_ignored(engines):
     prefill, decode = engines
-    (first,) = run(prefill, Request("p3", PROMPT, GREEDY, prefill_only=True))
+    _, done = run(prefill, Request("p3", PROMPT, GREEDY, prefill_only=True))
     other = [PROMPT[0] + 1] + PROMPT[1:]
-    rest = run(decode, Request("d3", other, GREEDY, kv_import=first.exported_chunks))
+    rest = run(decode, Request("d3", other, GREEDY, kv_import=done.exported_chunks))
     assert rest[0].num_cached_tokens == 0
 
 
@@ -88,8 +89,8 @@ def test_import_of_colliding_chunk_from_another_prefix_is_caught(llama_path, mon
     prefill, decode = make_engine(llama_path), make_engine(llama_path)
     a, x, tail = PROMPT[:32], PROMPT[32:64], PROMPT[64:]
     z = [5 + (i * 3) % 290 for i in range(32)]
-    (from_z,) = run(prefill, Request("z", z + x + tail, GREEDY, prefill_only=True))
-    (from_a,) = run(prefill, Request("a", a + z, GREEDY, prefill_only=True))
+    _, from_z = run(prefill, Request("z", z + x + tail, GREEDY, prefill_only=True))
+    _, from_a = run(prefill, Request("a", a + z, GREEDY, prefill_only=True))
     offered = [from_a.exported_chunks[0], from_z.exported_chunks[1]]  # A, then Z's X
     assert offered[1].key == keys.chain_hashes(a + x, 16, b"")[-1].key  # the key collides
     rest = run(decode, Request("d", a + x + tail, GREEDY, kv_import=offered))
@@ -114,8 +115,8 @@ def _text(deltas) -> str:
 def _disaggregated(prefill: Engine, decode: Engine, rid: str, prompt, params: SamplingParams):
     """As app/serve/prefill.py and decode.py hand a request over: the decode replica's
     prompt ends with the first token, which it is told was an output (prior_output_ids)."""
-    (first,) = run(prefill, Request(rid + "-p", prompt, params, prefill_only=True))
-    if first.finish_reason is not None:
+    first, done = run(prefill, Request(rid + "-p", prompt, params, prefill_only=True))
+    if done.finish_reason is not None:
         return [first]
     rest = dataclasses.replace(params, max_tokens=params.max_tokens - 1)
     return [first] + run(
@@ -124,7 +125,7 @@ def _disaggregated(prefill: Engine, decode: Engine, rid: str, prompt, params: Sa
             rid + "-d",
             prompt + first.new_token_ids,
             rest,
-            kv_import=first.exported_chunks,
+            kv_import=done.exported_chunks,
             prior_output_ids=list(first.new_token_ids),
         ),
     )

@@ -66,8 +66,8 @@ def prefill(llama_path):
 def exported(prefill):
     """The prompt's first token and chunks, exported by a prefill-only request."""
     prefill.add_request(Request("p", PROMPT, GREEDY, prefill_only=True))
-    (first,) = drain(prefill)["p"]
-    return first.new_token_ids, first.exported_chunks
+    first, done = drain(prefill)["p"]
+    return first.new_token_ids, done.exported_chunks
 
 
 @pytest.fixture(scope="module")
@@ -118,6 +118,29 @@ def test_abort_while_import_pending_frees_every_block(llama_path, exported, monk
     assert decode.blocks.num_free == decode.blocks.num_blocks and decode.blocks.num_held == 0
     salt = make_salt(*decode.salt_base, None)
     assert not any(h.key in decode.blocks.cached for h in chain_hashes(PROMPT, 16, salt))
+
+
+def test_prefill_only_token_goes_out_before_its_export(llama_path, reference, monkeypatch):
+    """A prefill-only request's token leaves the step that samples it, while its KV export
+    is still held on the worker; the request's final delta comes after, with the chunks
+    and no token. Seen failing with the token delta kept back for the export's delta (as
+    before 2026-12-05): no delta while the export was held."""
+    gate = gated(monkeypatch, "encode_chunks")
+    engine = make_engine(llama_path)
+    engine.add_request(Request("p", PROMPT, GREEDY, prefill_only=True))
+    got: list = []
+    for _ in range(20):  # a step with nothing to run waits up to 20 ms for the worker
+        got += engine.step()
+        if got:
+            break
+    (first,) = got
+    assert first.new_token_ids == reference[0][:1] and not first.finished
+    assert engine.transfers.busy  # the export has not run yet
+    gate.set()
+    (done,) = drain(engine)["p"]
+    assert done.finished and done.new_token_ids == [] and done.finish_reason is None
+    assert sum(c.meta.num_tokens for c in done.exported_chunks) == len(PROMPT)
+    assert engine.blocks.num_free == engine.blocks.num_blocks
 
 
 def test_step_does_not_wait_for_export_and_abort_frees_its_blocks(

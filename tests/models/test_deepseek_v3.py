@@ -150,8 +150,8 @@ def test_mla_chunk_accepted_by_mla_engine_rejected_by_gqa_engine(path, llama_pat
     prompt = PROMPTS[2]  # 61 tokens: 3 chunks of 16 + a partial of 13
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     want = [t for d in run(engine(path), Request("ref", prompt, params)) for t in d.new_token_ids]
-    (first,) = run(engine(path), Request("p", prompt, params, prefill_only=True))
-    chunks = [KVChunk.decode(c.encode()) for c in first.exported_chunks]  # across processes
+    first, done = run(engine(path), Request("p", prompt, params, prefill_only=True))
+    chunks = [KVChunk.decode(c.encode()) for c in done.exported_chunks]  # across processes
     layout = chunks[0].meta.layout
     assert layout.endswith(":mla") and KVLayout.parse(layout).use_mla
     assert chunks[0].to_tensors()[0].shape == (3, 1, 16, 1, WIDTH)  # [L, 1 plane, n, 1, D]

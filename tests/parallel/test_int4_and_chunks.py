@@ -71,8 +71,8 @@ def test_chunks_cross_tp_sizes(checkpoint_factory, prefill_tp, decode_tp):
     want = _tokens(_run(make_llm(path, **fp8).engine, Request("ref", PROMPT, GREEDY)))
     with make_llm(path, prefill_tp, **fp8) as pre, make_llm(path, decode_tp, **fp8) as dec:
         assert pre.engine.kv_spec.layout == dec.engine.kv_spec.layout
-        (first,) = _run(pre.engine, Request("p", PROMPT, GREEDY, prefill_only=True))
-        chunks = first.exported_chunks
+        first, done = _run(pre.engine, Request("p", PROMPT, GREEDY, prefill_only=True))
+        chunks = done.exported_chunks
         follow = Request("d", PROMPT + first.new_token_ids, GREEDY, kv_import=chunks)
         rest = _run(dec.engine, follow)
         assert rest[0].num_cached_tokens == 64  # imported, not recomputed

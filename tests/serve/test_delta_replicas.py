@@ -4,6 +4,7 @@ stand-in engine, sending to a real inbox on loopback."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from types import SimpleNamespace
 
 from app.engine.async_engine import AsyncEngine
@@ -145,6 +146,71 @@ def test_prefill_to_sends_the_first_token_before_publishing_the_kv():
     assert posted["h-0"].first == result.first
 
 
+def test_prefill_to_sends_the_first_token_before_the_engine_exports_the_kv():
+    """The engine gives a prefill-only request's token before its final delta (the KV
+    export, app/engine/transfers.py): the replica sends the token on at once, then waits
+    for the export and posts the merged result. Seen failing (head.get() timed out) with
+    _prefill collecting every delta before calling on_first."""
+    got, exporting, result, server = asyncio.run(_prefill_around_export(ExportHeldEngine()))
+    posted = server.hand_offs.posted["h-0"]
+    assert exporting and got.new_token_ids == [1] and got.finished  # final for the ingress
+    assert result.first.new_token_ids == [1] and result.first.finished
+    assert posted.first == result.first and posted.chunks == [PUBLISHED]
+
+
+def test_a_failed_export_after_the_token_hands_over_no_kv():
+    """The token went out, then the engine's KV export failed: the prefill still succeeds
+    with that token and hands over no chunk, so the decode replica recomputes the prompt
+    (the choice is not failed for a cache copy). Seen failing (the call raised
+    RequestError) without the except in _hand_over."""
+    engine = ExportHeldEngine(error="KV export failed: disk on fire")
+    got, _, result, server = asyncio.run(_prefill_around_export(engine))
+    posted = server.hand_offs.posted["h-0"]
+    assert got.new_token_ids == result.first.new_token_ids == [1]
+    assert result.first.finished and result.first.error is None
+    assert posted.first == result.first and server.exported == []  # nothing to publish
+
+
+async def _prefill_around_export(engine: ExportHeldEngine):
+    """A `prefill_to` call over ``engine`` (publish not held): -> (the token the inbox got,
+    whether the call was still running then, its answer, the server)."""
+    inbox = await DeltaInbox.start()
+    head = inbox.open(head_id("r-0"))
+    server, release, _ = _publish_held(engine)
+    release.set()  # only the engine's export is held here
+    gen = GenerateRequest("r-0", [1, 2, 3], SamplingParams(max_tokens=2))
+    call = asyncio.ensure_future(server.prefill_to(gen, inbox.reply_to, HandOff("h-0")))
+    got = await asyncio.wait_for(head.get(), 10)
+    exporting = not call.done()
+    engine.exported.set()
+    result = await asyncio.wait_for(call, 10)
+    await inbox.stop()
+    return got, exporting, result, server
+
+
+class ExportHeldEngine(StepEngine):
+    """A prefill-only request gets its token (not final), then its final delta, no token,
+    once ``exported`` is set: as the engine gives them around its KV export."""
+
+    def __init__(self, error: str | None = None):
+        super().__init__()
+        self.exported = threading.Event()
+        self.error = error  # the export fails with it
+
+    def step(self) -> list[RequestDelta]:
+        out = []
+        for rid, state in list(self.running.items()):
+            state[1] += 1
+            if state[1] == 1:
+                out.append(RequestDelta(rid, 0, [1], "t1 ", finished=False))
+            elif self.exported.wait(0.01):
+                chunks = None if self.error else ["c"]
+                out.append(RequestDelta(rid, 0, [], "", True, None, exported_chunks=chunks))
+                out[-1].error = self.error
+                del self.running[rid]
+        return out
+
+
 def test_prefill_cancelled_after_its_first_token_still_publishes_the_kv():
     """A client that leaves after the first token makes Ray cancel the prefill call (a
     child task of the ingress's cancelled call) while the KV is being published: the
@@ -176,9 +242,9 @@ async def _prefill_to_its_head():
     return inbox, call, got, release, published
 
 
-def _publish_held() -> tuple[object, asyncio.Event, asyncio.Event]:
+def _publish_held(engine: StepEngine | None = None) -> tuple[object, asyncio.Event, asyncio.Event]:
     """A PrefillServer whose KV publish waits for ``release``, then sets ``published``."""
-    server = _server(PrefillServer, StepEngine())
+    server = _server(PrefillServer, engine or StepEngine())
     server.host.name = "p"
     server.host.metrics.timed = lambda deltas, *args, **kwargs: deltas
     server.host.import_from_store = lambda prompt, salt: _nothing_stored()
@@ -187,6 +253,7 @@ def _publish_held() -> tuple[object, asyncio.Event, asyncio.Event]:
 
     async def publish(exported, reused):
         await release.wait()
+        server.exported = exported
         published.set()
         return [PUBLISHED]
 

@@ -69,8 +69,8 @@ class Replica:
         from app.engine.request import Request
         from app.kvstore.transfer import publish
 
-        (first,) = run(self.engine, Request(rid, prompt, params(), prefill_only=True))
-        full = [c for c in first.exported_chunks if c.meta.num_tokens == CHUNK]
+        _, done = run(self.engine, Request(rid, prompt, params(), prefill_only=True))
+        full = [c for c in done.exported_chunks if c.meta.num_tokens == CHUNK]
         return len(asyncio.run(publish(self.store, full)))
 
     def read(self, rid: str, prompt: list[int], keys: list[bytes]) -> dict:
@@ -92,8 +92,8 @@ class Replica:
     def keys(self, rid: str, prompt: list[int]) -> list[bytes]:
         from app.engine.request import Request
 
-        (first,) = run(self.engine, Request(rid, prompt, params(), prefill_only=True))
-        return [c.key for c in first.exported_chunks if c.meta.num_tokens == CHUNK]
+        _, done = run(self.engine, Request(rid, prompt, params(), prefill_only=True))
+        return [c.key for c in done.exported_chunks if c.meta.num_tokens == CHUNK]
 
     def store_stats(self) -> dict:
         return asyncio.run(self.store.stats())

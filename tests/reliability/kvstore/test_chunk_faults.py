@@ -68,8 +68,8 @@ def prompt_pair(seed: int) -> tuple[list[int], list[int]]:
 
 
 def published(producer: Engine, store: KVStoreClient, prompt: list[int]):
-    (first,) = run(producer, Request(f"p{id(prompt)}", prompt, GREEDY, prefill_only=True))
-    full = [c for c in first.exported_chunks if c.meta.num_tokens == CHUNK]
+    _, done = run(producer, Request(f"p{id(prompt)}", prompt, GREEDY, prefill_only=True))
+    full = [c for c in done.exported_chunks if c.meta.num_tokens == CHUNK]
     return asyncio.run(publish(store, full))
 
 
