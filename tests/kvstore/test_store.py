@@ -267,3 +267,24 @@ def test_a_large_partial_chunk_goes_in_the_object_store(ray_session, monkeypatch
     handed = prefill.in_transit(make_chunks()[2])
     assert isinstance(handed.ref, ray.ObjectRef)
     assert bytes(ray.get(handed.ref)) == make_chunks()[2].encode()
+
+
+def test_only_a_chunk_that_is_put_takes_a_worker_thread(ray_session, monkeypatch):
+    """`all_in_transit` puts a large chunk from a worker thread (the replica's event loop
+    goes on meanwhile) and hands a small one over on the loop itself (it costs nothing).
+    Seen failing (hops == 1 for the small chunk) with every call going through
+    asyncio.to_thread."""
+    import app.serve.prefill as prefill
+
+    hops = []
+
+    async def to_thread(fn):
+        hops.append(fn)
+        return fn()
+
+    monkeypatch.setattr(prefill.asyncio, "to_thread", to_thread)
+    (small,) = run(prefill.all_in_transit([make_chunks()[2]]))
+    assert isinstance(small.ref, np.ndarray) and hops == []
+    monkeypatch.setattr(prefill, "INLINE_BYTES", 16)
+    (large,) = run(prefill.all_in_transit([make_chunks()[2]]))
+    assert isinstance(large.ref, ray.ObjectRef) and len(hops) == 1
