@@ -42,7 +42,11 @@ class PrefillServer(EngineReplica):
         self._handing_over: set[asyncio.Task] = set()  # may outlive their cancelled call
 
     async def prefill(self, req: GenerateRequest) -> PrefillResult:
-        return await self._prefill(req)
+        """The whole prefill as one Serve call (``max_tokens: 1``, or `delta_channel:
+        serve`): the result carries the KV's chunk refs. Runs once the call has one of
+        the replica's slots, like `prefill_to` (app/serve/slots.py)."""
+        async with self.slots.held():
+            return await self._prefill(req)
 
     async def prefill_to(
         self, req: GenerateRequest, reply_to: ReplyTo, hand_off: HandOff

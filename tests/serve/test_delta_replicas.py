@@ -211,6 +211,29 @@ class ExportHeldEngine(StepEngine):
         return out
 
 
+def test_a_serve_prefill_call_waits_for_one_of_the_replicas_slots():
+    """`prefill` (``max_tokens: 1``, placed by Serve only) shares the replica's slots with
+    the direct calls: while they hold them all it waits, then runs and gives its slot
+    back. Seen failing (the engine ran it at once) with `prefill` taking no slot."""
+
+    async def main():
+        engine = StepEngine()
+        server, release, _ = _publish_held(engine)
+        release.set()
+        server.slots = Slots(1)
+        assert server.slots.try_take()  # a direct call holds the only slot
+        gen = GenerateRequest("r-0", [1, 2, 3], SamplingParams(max_tokens=1))
+        call = asyncio.ensure_future(server.prefill(gen))
+        await asyncio.sleep(0.3)
+        waited = not call.done() and engine.steps == 0
+        server.slots.release()
+        result = await asyncio.wait_for(call, 10)
+        return waited, result, server.slots.free
+
+    waited, result, free = asyncio.run(main())
+    assert waited and result.first.new_token_ids == [1] and free == 1
+
+
 def test_prefill_cancelled_after_its_first_token_still_publishes_the_kv():
     """A client that leaves after the first token makes Ray cancel the prefill call (a
     child task of the ingress's cancelled call) while the KV is being published: the
