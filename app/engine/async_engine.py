@@ -90,6 +90,7 @@ class AsyncEngine:
     def _submit(self, command) -> None:
         self._commands.append(command)
         self._wake.set()
+        self.engine.wake()  # a step idling on a KV transfer or compile returns for it
         if self._loop_task is None or self._loop_task.done():
             self._loop_task = asyncio.get_running_loop().create_task(self._run())
 

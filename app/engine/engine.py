@@ -41,6 +41,10 @@ from app.models.parallel import SINGLE
 from app.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+# A step with nothing to run but KV transfers / grammar compiles in flight sleeps until one
+# finishes, `wake` is called (a new request or abort), or this long: no busy loop.
+TRANSFER_IDLE_S = 0.02
+COMPILE_IDLE_S = 0.05
 
 
 class Engine:
@@ -192,6 +196,12 @@ class Engine:
         self._pending.append(self.outputs.final_delta(seq))
         self._finish(seq)
 
+    def wake(self) -> None:
+        """Ends a step's idle wait now (any thread): a request or abort came for it, so a
+        new prompt does not wait for another request's KV transfer or grammar compile."""
+        self.transfers.wake()
+        self.structured.wake()
+
     def has_unfinished(self) -> bool:
         return bool(self.seqs) or bool(self._pending) or self.transfers.busy
 
@@ -206,9 +216,9 @@ class Engine:
         out = self.scheduler.schedule()
         if not out.scheduled:
             if self.transfers.busy and not deltas:
-                self.transfers.wait(0.02)  # idle until a KV transfer finishes
+                self.transfers.wait(TRANSFER_IDLE_S)  # idle until a KV transfer finishes
             elif self.structured.compiling and not deltas:
-                self.structured.wait(0.05)  # idle until a grammar compiles; no busy loop
+                self.structured.wait(COMPILE_IDLE_S)  # idle until a grammar compiles
             return deltas
         starts = [seq.num_computed_tokens for seq, _ in out.scheduled]
         plan = plan_step(out.scheduled, self.kv_spec.block_size)

@@ -173,10 +173,16 @@ class Transfers:
                     out.rejected.append((job.request_id, rejected))
 
     def wait(self, timeout: float) -> None:
-        """Idles until a job finishes (or timeout): a step with nothing to run."""
-        self._signal.clear()
+        """Idles until a job finishes, `wake` is called, or timeout: a step with nothing to
+        run. Cleared after the wait, so a signal given before it ends it at once (at worst
+        one spare step), never lost."""
         if self._done.empty():
             self._signal.wait(timeout)
+        self._signal.clear()
+
+    def wake(self) -> None:
+        """Ends a `wait` now (any thread)."""
+        self._signal.set()
 
     def shutdown(self) -> None:
         thread, self._thread = self._thread, None

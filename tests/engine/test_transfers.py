@@ -10,6 +10,7 @@ import threading
 import pytest
 
 from app.config import CacheConfig, EngineConfig, SchedulerConfig
+from app.engine import engine as engine_module
 from app.engine import transfers
 from app.engine.async_engine import AsyncEngine
 from app.engine.engine import Engine
@@ -141,6 +142,40 @@ def test_prefill_only_token_goes_out_before_its_export(llama_path, reference, mo
     assert done.finished and done.new_token_ids == [] and done.finish_reason is None
     assert sum(c.meta.num_tokens for c in done.exported_chunks) == len(PROMPT)
     assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def test_a_request_that_arrives_does_not_wait_for_anothers_export(
+    llama_path, reference, monkeypatch
+):
+    """The engine has nothing to run but a KV export (held on the worker) and its step
+    idles on it; a request that arrives then is run at once: AsyncEngine wakes the idle
+    step. The idle wait is set to 60 s here, so only the wake can end it. Seen failing
+    (wait_for timed out) with AsyncEngine._submit not calling engine.wake."""
+    monkeypatch.setattr(engine_module, "TRANSFER_IDLE_S", 60.0)
+    gate = gated(monkeypatch, "encode_chunks")
+    idling, real_wait = threading.Event(), transfers.Transfers.wait
+
+    def wait(self, timeout):
+        idling.set()
+        real_wait(self, timeout)
+
+    monkeypatch.setattr(transfers.Transfers, "wait", wait)
+    engine = AsyncEngine(make_engine(llama_path))
+
+    async def collect(request):
+        return [d async for d in engine.generate(request)]
+
+    async def main():
+        held = asyncio.ensure_future(collect(Request("p", PROMPT, GREEDY, prefill_only=True)))
+        try:
+            assert await asyncio.to_thread(idling.wait, 30), "the step never idled"
+            other = await asyncio.wait_for(collect(Request("o", PROMPT[::-1], GREEDY)), 10)
+        finally:
+            gate.set()
+        await asyncio.wait_for(held, 30)
+        return other
+
+    assert tokens(asyncio.run(main())) == reference[1]
 
 
 def test_step_does_not_wait_for_export_and_abort_frees_its_blocks(

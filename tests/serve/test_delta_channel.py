@@ -33,6 +33,9 @@ class StepEngine:
     def has_unfinished(self) -> bool:
         return bool(self.running)
 
+    def wake(self) -> None:
+        pass  # its steps never idle-wait
+
     def step(self) -> list[RequestDelta]:
         self.steps += 1
         out = []

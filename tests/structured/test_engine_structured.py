@@ -5,14 +5,18 @@ assertion on validity here fails when masking is off (seen: with `StructuredOutp
 made a no-op, test_json_schema_outputs_validate fails on its first output).
 """
 
+import asyncio
 import json
 import re
+import threading
 
 import jsonschema
 import pytest
 
 from app import LLM, SamplingParams
 from app.assets import default_model_path
+from app.engine import engine as engine_module
+from app.engine.async_engine import AsyncEngine
 from app.engine.request import Request
 from app.engine.structured import StructuredOutputError, StructuredOutputSpec
 from tests.structured.schemas import PERSON
@@ -167,6 +171,47 @@ def test_failed_compile_aborts_only_that_request(llm, monkeypatch):
     assert [o.token_ids for o in outs] == [[], []]
     plain = llm.generate(["a"], SamplingParams(max_tokens=4, ignore_eos=True))[0]
     assert plain.finish_reason == "length"
+
+
+def test_a_plain_request_does_not_wait_for_a_grammar_compile(llm, monkeypatch):
+    """The engine has nothing to run but a request whose grammar still compiles (held
+    here) and its step idles on it; a plain request that arrives then is run at once:
+    AsyncEngine wakes the idle step. The idle wait is set to 60 s, so only the wake can
+    end it. Seen failing (wait_for timed out) with StructuredOutputs.wake a no-op."""
+    monkeypatch.setattr(engine_module, "COMPILE_IDLE_S", 60.0)
+    structured = llm.engine.structured
+    gate, idling = threading.Event(), threading.Event()
+    real_compile, real_wait = structured.compiler._compile, structured.wait
+
+    def held_compile(spec):
+        assert gate.wait(60), "test gate never opened"
+        return real_compile(spec)
+
+    def wait(timeout_s):
+        idling.set()
+        real_wait(timeout_s)
+
+    monkeypatch.setattr(structured.compiler, "_compile", held_compile)
+    monkeypatch.setattr(structured, "wait", wait)
+    engine = AsyncEngine(llm.engine)
+    plain = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    spec = StructuredOutputSpec.regex("held-compile-[0-9]+")
+
+    async def collect(request):
+        return [t async for d in engine.generate(request) for t in d.new_token_ids]
+
+    async def main():
+        ids = llm.tokenizer.encode("Name:")
+        held = asyncio.ensure_future(collect(Request("g", ids, _params(spec, max_tokens=8))))
+        try:
+            assert await asyncio.to_thread(idling.wait, 30), "the step never idled"
+            got = await asyncio.wait_for(collect(Request("p", ids, plain)), 10)
+        finally:
+            gate.set()
+        await asyncio.wait_for(held, 60)
+        return got
+
+    assert len(asyncio.run(main())) == 4
 
 
 def test_speculative_decoding_keeps_the_grammar_and_the_output():

@@ -8,8 +8,8 @@ each sampled token. The compiler (and xgrammar) is created only when a request n
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
+import threading
 
 import torch
 
@@ -29,6 +29,7 @@ class StructuredOutputs:
         self.stop_token_ids = stop_token_ids
         self._compiler: GrammarCompiler | None = None
         self._compiling: list = []  # sequences whose grammar was not compiled when added
+        self._signal = threading.Event()  # a compile finished, or `wake`
 
     @property
     def compiler(self) -> GrammarCompiler:
@@ -41,6 +42,7 @@ class StructuredOutputs:
         StructuredOutputError (a ValueError) here, before anything is queued."""
         check_spec(spec)
         future = self.compiler.submit(spec)
+        future.add_done_callback(lambda _: self._signal.set())
         for seq in seqs:
             seq.grammar = SequenceGrammar(spec, future, tuple(replay))
             self._compiling.append(seq)  # ready once poll has settled it
@@ -62,10 +64,15 @@ class StructuredOutputs:
         return bool(self._compiling)
 
     def wait(self, timeout_s: float) -> None:
-        """Nothing can run but compiles are in flight: sleep until one finishes (or timeout)."""
-        futures = [seq.grammar._compiled for seq in self._compiling]
-        if futures:
-            concurrent.futures.wait(futures, timeout_s, concurrent.futures.FIRST_COMPLETED)
+        """Nothing can run but compiles are in flight: sleep until one finishes, `wake` is
+        called, or timeout (cleared after, as `Transfers.wait`)."""
+        if not any(seq.grammar.compiled for seq in self._compiling):
+            self._signal.wait(timeout_s)
+        self._signal.clear()
+
+    def wake(self) -> None:
+        """Ends a `wait` now (any thread)."""
+        self._signal.set()
 
     def mask(self, logits: torch.Tensor, seqs: list) -> None:
         """logits: [R, V], 1 + len(seq.spec_tokens) rows per sampled sequence in order;
