@@ -256,9 +256,8 @@ class Engine:
             if delta is None:
                 continue
             if seq.request.prefill_only:  # the token goes out now, the KV after it
-                seq.status = SeqStatus.FINISHED
+                seq.status = SeqStatus.FINISHED  # finished below
                 self.transfers.start_export(seq, delta)  # off the step: the final delta
-                self._finish(seq)
                 delta.finished = False  # the export's delta ends the request
             if seq.finished:
                 self._finish(seq)

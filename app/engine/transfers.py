@@ -53,7 +53,7 @@ log = logging.getLogger(__name__)
 @dataclass(eq=False, slots=True)
 class ExportJob:
     request_id: str
-    delta: RequestDelta  # the first token's delta, returned with the chunks
+    delta: RequestDelta  # the request's final delta (no token), returned with the chunks
     token_ids: list[int]  # the prompt
     block_ids: list[int]  # pinned until the worker has read them
     salt: bytes
@@ -254,5 +254,6 @@ def _exported(delta: RequestDelta, chunks, error) -> RequestDelta:
 
 
 def _ended(delta: RequestDelta, reason: str, error: str | None = None) -> RequestDelta:
-    """The final delta of an export that did not deliver (``delta``: one with no token)."""
+    """The final delta of an export that did not deliver (``delta``: `start_export`'s,
+    finished and without the token, which went out before)."""
     return dataclasses.replace(delta, finish_reason=reason, exported_chunks=None, error=error)

@@ -135,9 +135,10 @@ class PrefillServer(EngineReplica):
             try:
                 async for delta in rest:
                     first = merge(first, delta)
-            except RequestError as e:  # the export failed: the token stands, the KV is
-                log.warning("prefill %s: no KV handed over: %s", first.request_id, e)
-                first = dataclasses.replace(first, finished=True)  # recomputed by decode
+            except RequestError as e:  # the export failed: the token stands; the decode
+                # replica gets what came from the store and computes the rest
+                log.warning("prefill %s: its KV export failed: %s", first.request_id, e)
+                return dataclasses.replace(first, finished=True), reused
         assert first.finished, "prefill ended without a final delta"
         exported = first.exported_chunks or []
         first = dataclasses.replace(first, exported_chunks=None)
@@ -151,7 +152,9 @@ class PrefillServer(EngineReplica):
         and Ray cancels that call's child tasks recursively, this one among them and the
         store puts it has made. Hence a shield for the coroutine and a fresh context for
         its task: Ray files a call under the task id it finds in a context variable, and
-        the recursive cancel follows those ids (tests/serve/test_disaggregation.py)."""
+        the recursive cancel follows those ids (tests/serve/test_disaggregation.py). The
+        call's slot and in-flight tokens are given back at the cancel: the shielded rest
+        (the export's end, the publish: a few ms) runs past them."""
         task = asyncio.get_running_loop().create_task(work, context=contextvars.Context())
         self._handing_over.add(task)  # the loop keeps only a weak reference
         task.add_done_callback(self._handed_over)

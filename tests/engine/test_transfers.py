@@ -198,6 +198,7 @@ def test_step_does_not_wait_for_export_and_abort_frees_its_blocks(
     engine.abort("p")
     (closing,) = engine.step()
     assert closing.finish_reason == "abort" and closing.exported_chunks is None
+    assert closing.new_token_ids == []  # P's token went out before, with its own delta
     gate.set()
     assert drain(engine) == {}  # the cancelled export delivers nothing
     assert engine.blocks.num_free == engine.blocks.num_blocks

@@ -4,6 +4,7 @@ stand-in engine, sending to a real inbox on loopback."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 from types import SimpleNamespace
 
@@ -16,6 +17,7 @@ from app.serve.delta_inbox import DeltaInbox
 from app.serve.delta_outbox import DeltaOutbox
 from app.serve.delta_wire import head_id
 from app.serve.messages import DecodeRequest, GenerateRequest, HandOff, PrefillResult
+from app.serve.metrics import ReplicaMetrics
 from app.serve.prefill import PrefillServer
 from app.serve.slots import Slots
 from app.serve.streaming import merge
@@ -158,25 +160,58 @@ def test_prefill_to_sends_the_first_token_before_the_engine_exports_the_kv():
     assert posted.first == result.first and posted.chunks == [PUBLISHED]
 
 
-def test_a_failed_export_after_the_token_hands_over_no_kv():
+def test_a_failed_export_after_the_token_hands_over_only_the_stored_prefix():
     """The token went out, then the engine's KV export failed: the prefill still succeeds
-    with that token and hands over no chunk, so the decode replica recomputes the prompt
-    (the choice is not failed for a cache copy). Seen failing (the call raised
-    RequestError) without the except in _hand_over."""
+    with that token and hands over only the chunks it took from the store (nothing to
+    publish), so the decode replica computes the rest (the choice is not failed for a
+    cache copy). Seen failing (the call raised RequestError) without the except in
+    _hand_over."""
     engine = ExportHeldEngine(error="KV export failed: disk on fire")
-    got, _, result, server = asyncio.run(_prefill_around_export(engine))
+    got, _, result, server = asyncio.run(_prefill_around_export(engine, [STORED]))
     posted = server.hand_offs.posted["h-0"]
     assert got.new_token_ids == result.first.new_token_ids == [1]
     assert result.first.finished and result.first.error is None
-    assert posted.first == result.first and server.exported == []  # nothing to publish
+    assert posted.first == result.first and posted.chunks == [STORED]
+    assert not hasattr(server, "exported")  # no publish
 
 
-async def _prefill_around_export(engine: ExportHeldEngine):
-    """A `prefill_to` call over ``engine`` (publish not held): -> (the token the inbox got,
-    whether the call was still running then, its answer, the server)."""
+def test_prefill_cancelled_while_the_engine_exports_still_publishes_the_kv():
+    """The client leaves after the first token, while the engine is still exporting the
+    prompt's KV (Ray cancels the prefill call): the engine request is not aborted, the
+    export ends and the KV is published all the same; the call ends cancelled. Seen
+    failing (published.wait() timed out, the engine request aborted) with _prefill
+    reading the engine's final delta before the shielded hand-over."""
+
+    async def main():
+        inbox = await DeltaInbox.start()
+        head = inbox.open(head_id("r-0"))
+        engine = ExportHeldEngine()
+        server, release, published = _publish_held(engine)
+        metrics = server.host.metrics
+        metrics.timed = functools.partial(ReplicaMetrics.timed, metrics)  # the real wrapper
+        release.set()
+        gen = GenerateRequest("r-0", [1, 2, 3], SamplingParams(max_tokens=2))
+        call = asyncio.ensure_future(server.prefill_to(gen, inbox.reply_to, HandOff("h-0")))
+        await asyncio.wait_for(head.get(), 10)
+        call.cancel()  # what Ray's cancel does to the replica's coroutine
+        await asyncio.wait({call})
+        engine.exported.set()
+        await asyncio.wait_for(published.wait(), 10)
+        await inbox.stop()
+        return call, engine.aborted, server.exported
+
+    call, aborted, exported = asyncio.run(main())
+    assert call.cancelled() and aborted == [] and exported == ["c"]
+
+
+async def _prefill_around_export(engine: ExportHeldEngine, reused: list | None = None):
+    """A `prefill_to` call over ``engine`` (publish not held; ``reused``: the chunks the
+    store had): -> (the token the inbox got, whether the call was still running then, its
+    answer, the server)."""
     inbox = await DeltaInbox.start()
     head = inbox.open(head_id("r-0"))
     server, release, _ = _publish_held(engine)
+    server.host.import_from_store = lambda prompt, salt: _nothing_stored(reused or [])
     release.set()  # only the engine's export is held here
     gen = GenerateRequest("r-0", [1, 2, 3], SamplingParams(max_tokens=2))
     call = asyncio.ensure_future(server.prefill_to(gen, inbox.reply_to, HandOff("h-0")))
@@ -285,7 +320,9 @@ def _publish_held(engine: StepEngine | None = None) -> tuple[object, asyncio.Eve
 
 
 PUBLISHED = SimpleNamespace(key=b"k")  # stands in for a published chunk's StoredChunk
+STORED = SimpleNamespace(key=b"s")  # and for one the store had already
 
 
-async def _nothing_stored():
-    return SimpleNamespace(chunks=[], num_tokens=0, failures=[]), []
+async def _nothing_stored(reused: list | None = None):
+    """Nothing fetched; ``reused``: the store's refs (a prefix this replica has locally)."""
+    return SimpleNamespace(chunks=[], num_tokens=0, failures=[]), reused or []
