@@ -22,6 +22,9 @@ def test_decode_replica_node_removed_mid_run(long_model, tmp_path):
     print(f"serve multinode: {got}")  # docs/reliability.md quotes these
     during = got["during"]
     assert during.get("wrong", 0) == 0 and sum(during.values()) == got["streams"], got
-    assert got["removed_also"] == ["#DecodeServer#"], got  # not the ingress's node
+    # the decode replica's node, never the ingress's (pinned to the head); a store shard may
+    # share it (Ray places those): its loss is then part of the run
+    assert "#DecodeServer#" in got["removed_also"], got
+    assert "#Ingress#" not in got["removed_also"], got
     assert got["removed_node"] not in got["replica_after"], got
     assert got["after"] == {"correct": 8}, got
