@@ -179,8 +179,8 @@ def test_prefill_cancelled_while_the_engine_exports_still_publishes_the_kv():
     """The client leaves after the first token, while the engine is still exporting the
     prompt's KV (Ray cancels the prefill call): the engine request is not aborted, the
     export ends and the KV is published all the same; the call ends cancelled. Seen
-    failing (published.wait() timed out, the engine request aborted) with _prefill
-    reading the engine's final delta before the shielded hand-over."""
+    failing (published.wait() timed out, the engine request aborted) with the hand-over
+    awaited without `_shielded`."""
 
     async def main():
         inbox = await DeltaInbox.start()
