@@ -1,0 +1,225 @@
+"""The prefill replica's Serve methods without Ray (`PrefillServer.prefill_to`, `prefill`):
+the deployment class's own code over a stand-in engine, sending the first token to a real
+inbox on loopback, its result to an in-memory hand-off box."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import threading
+from types import SimpleNamespace
+
+from app.engine.request import RequestDelta
+from app.engine.sampling_params import SamplingParams
+from app.serve.delta_inbox import DeltaInbox
+from app.serve.delta_wire import head_id
+from app.serve.messages import GenerateRequest, HandOff
+from app.serve.metrics import ReplicaMetrics
+from app.serve.prefill import PrefillServer
+from app.serve.slots import Slots
+from serve.test_delta_channel import StepEngine
+from serve.test_delta_replicas import _server
+
+
+def test_prefill_to_sends_the_first_token_before_publishing_the_kv():
+    """Disaggregated: the prefill replica sends the first token to the inbox (under
+    `head_id`) as soon as the engine gives it, while the KV publish is still running; the
+    result carries the same token. The result with the KV's chunk refs goes to the hand-off
+    box under the call's key, the answer to the ingress carries none (it may cross the
+    direct call channel, where a Ray ref must not go). Seen failing (head.get() timed out)
+    with prefill_to not passing its sender to _prefill."""
+
+    async def main():
+        inbox, call, got, release, _ = await _prefill_to_its_head()
+        publishing = not call.done()
+        release.set()
+        result = await call
+        await inbox.stop()
+        return got, publishing, result, call.server.hand_offs.posted
+
+    got, publishing, result, posted = asyncio.run(main())
+    assert publishing and got.request_id == head_id("r-0")
+    assert got.new_token_ids == result.first.new_token_ids == [1]
+    assert result.first.request_id == "r-0" and result.first.exported_chunks is None
+    assert result.chunks == [] and posted["h-0"].chunks == [PUBLISHED]
+    assert posted["h-0"].first == result.first
+
+
+def test_prefill_to_sends_the_first_token_before_the_engine_exports_the_kv():
+    """The engine gives a prefill-only request's token before its final delta (the KV
+    export, app/engine/transfers.py): the replica sends the token on at once, then waits
+    for the export and posts the merged result. Seen failing (head.get() timed out) with
+    _prefill collecting every delta before calling on_first."""
+    got, exporting, result, server = asyncio.run(_prefill_around_export(ExportHeldEngine()))
+    posted = server.hand_offs.posted["h-0"]
+    assert exporting and got.new_token_ids == [1] and got.finished  # final for the ingress
+    assert result.first.new_token_ids == [1] and result.first.finished
+    assert posted.first == result.first and posted.chunks == [PUBLISHED]
+
+
+def test_a_failed_export_after_the_token_hands_over_only_the_stored_prefix():
+    """The token went out, then the engine's KV export failed: the prefill still succeeds
+    with that token and hands over only the chunks it took from the store (nothing to
+    publish), so the decode replica computes the rest (the choice is not failed for a
+    cache copy). Seen failing (the call raised RequestError) without the except in
+    _hand_over."""
+    engine = ExportHeldEngine(error="KV export failed: disk on fire")
+    got, _, result, server = asyncio.run(_prefill_around_export(engine, [STORED]))
+    posted = server.hand_offs.posted["h-0"]
+    assert got.new_token_ids == result.first.new_token_ids == [1]
+    assert result.first.finished and result.first.error is None
+    assert posted.first == result.first and posted.chunks == [STORED]
+    assert not hasattr(server, "exported")  # no publish
+
+
+def test_prefill_cancelled_while_the_engine_exports_still_publishes_the_kv():
+    """The client leaves after the first token, while the engine is still exporting the
+    prompt's KV (Ray cancels the prefill call): the engine request is not aborted, the
+    export ends and the KV is published all the same; the call ends cancelled. Seen
+    failing (published.wait() timed out, the engine request aborted) with the hand-over
+    awaited without `_shielded`."""
+
+    async def main():
+        inbox = await DeltaInbox.start()
+        head = inbox.open(head_id("r-0"))
+        engine = ExportHeldEngine()
+        server, release, published = _publish_held(engine)
+        metrics = server.host.metrics
+        metrics.timed = functools.partial(ReplicaMetrics.timed, metrics)  # the real wrapper
+        release.set()
+        gen = GenerateRequest("r-0", [1, 2, 3], SamplingParams(max_tokens=2))
+        call = asyncio.ensure_future(server.prefill_to(gen, inbox.reply_to, HandOff("h-0")))
+        await asyncio.wait_for(head.get(), 10)
+        call.cancel()  # what Ray's cancel does to the replica's coroutine
+        await asyncio.wait({call})
+        engine.exported.set()
+        await asyncio.wait_for(published.wait(), 10)
+        await inbox.stop()
+        return call, engine.aborted, server.exported
+
+    call, aborted, exported = asyncio.run(main())
+    assert call.cancelled() and aborted == [] and exported == ["c"]
+
+
+async def _prefill_around_export(engine: ExportHeldEngine, reused: list | None = None):
+    """A `prefill_to` call over ``engine`` (publish not held; ``reused``: the chunks the
+    store had): -> (the token the inbox got, whether the call was still running then, its
+    answer, the server)."""
+    inbox = await DeltaInbox.start()
+    head = inbox.open(head_id("r-0"))
+    server, release, _ = _publish_held(engine)
+    server.host.import_from_store = lambda prompt, salt: _nothing_stored(reused or [])
+    release.set()  # only the engine's export is held here
+    gen = GenerateRequest("r-0", [1, 2, 3], SamplingParams(max_tokens=2))
+    call = asyncio.ensure_future(server.prefill_to(gen, inbox.reply_to, HandOff("h-0")))
+    got = await asyncio.wait_for(head.get(), 10)
+    exporting = not call.done()
+    engine.exported.set()
+    result = await asyncio.wait_for(call, 10)
+    await inbox.stop()
+    return got, exporting, result, server
+
+
+class ExportHeldEngine(StepEngine):
+    """A prefill-only request gets its token (not final), then its final delta, no token,
+    once ``exported`` is set: as the engine gives them around its KV export."""
+
+    def __init__(self, error: str | None = None):
+        super().__init__()
+        self.exported = threading.Event()
+        self.error = error  # the export fails with it
+
+    def step(self) -> list[RequestDelta]:
+        out = []
+        for rid, state in list(self.running.items()):
+            state[1] += 1
+            if state[1] == 1:
+                out.append(RequestDelta(rid, 0, [1], "t1 ", finished=False))
+            elif self.exported.wait(0.01):
+                chunks = None if self.error else ["c"]
+                out.append(RequestDelta(rid, 0, [], "", True, None, exported_chunks=chunks))
+                out[-1].error = self.error
+                del self.running[rid]
+        return out
+
+
+def test_a_serve_prefill_call_waits_for_one_of_the_replicas_slots():
+    """`prefill` (``max_tokens: 1``, placed by Serve only) shares the replica's slots with
+    the direct calls: while they hold them all it waits, then runs and gives its slot
+    back. Seen failing (the engine ran it at once) with `prefill` taking no slot."""
+
+    async def main():
+        engine = StepEngine()
+        server, release, _ = _publish_held(engine)
+        release.set()
+        server.slots = Slots(1)
+        assert server.slots.try_take()  # a direct call holds the only slot
+        gen = GenerateRequest("r-0", [1, 2, 3], SamplingParams(max_tokens=1))
+        call = asyncio.ensure_future(server.prefill(gen))
+        await asyncio.sleep(0.3)
+        waited = not call.done() and engine.steps == 0
+        server.slots.release()
+        result = await asyncio.wait_for(call, 10)
+        return waited, result, server.slots.free
+
+    waited, result, free = asyncio.run(main())
+    assert waited and result.first.new_token_ids == [1] and free == 1
+
+
+def test_prefill_cancelled_after_its_first_token_still_publishes_the_kv():
+    """A client that leaves after the first token makes Ray cancel the prefill call (a
+    child task of the ingress's cancelled call) while the KV is being published: the
+    publish runs to its end all the same, and the call still ends cancelled. Seen failing
+    (published.wait() timed out) with _prefill awaiting the publish unshielded."""
+
+    async def main():
+        inbox, call, _, release, published = await _prefill_to_its_head()
+        call.cancel()  # what Ray's cancel does to the replica's coroutine
+        await asyncio.wait({call})
+        release.set()
+        await asyncio.wait_for(published.wait(), 10)
+        await inbox.stop()
+        return call
+
+    assert asyncio.run(main()).cancelled()
+
+
+async def _prefill_to_its_head():
+    """A `prefill_to` call (publish held) run until its first token reached the inbox:
+    -> (inbox, the call's task, that token, release, published)."""
+    inbox = await DeltaInbox.start()
+    head = inbox.open(head_id("r-0"))
+    server, release, published = _publish_held()
+    gen = GenerateRequest("r-0", [1, 2, 3], SamplingParams(max_tokens=1))
+    call = asyncio.ensure_future(server.prefill_to(gen, inbox.reply_to, HandOff("h-0")))
+    call.server = server
+    got = await asyncio.wait_for(head.get(), 10)
+    return inbox, call, got, release, published
+
+
+def _publish_held(engine: StepEngine | None = None) -> tuple[object, asyncio.Event, asyncio.Event]:
+    """A PrefillServer whose KV publish waits for ``release``, then sets ``published``."""
+    server = _server(PrefillServer, engine or StepEngine())
+    server.host.name = "p"
+    server.host.metrics.timed = lambda deltas, *args, **kwargs: deltas
+    server.host.import_from_store = lambda prompt, salt: _nothing_stored()
+    server._handing_over = set()
+    release, published = asyncio.Event(), asyncio.Event()
+
+    async def publish(exported, reused):
+        await release.wait()
+        server.exported = exported
+        published.set()
+        return [PUBLISHED]
+
+    server._publish = publish
+    return server, release, published
+
+
+PUBLISHED = SimpleNamespace(key=b"k")  # stands in for a published chunk's StoredChunk
+STORED = SimpleNamespace(key=b"s")  # and for one the store had already
+
+
+async def _nothing_stored(reused: list | None = None):
+    """Nothing fetched; ``reused``: the store's refs (a prefix this replica has locally)."""
+    return SimpleNamespace(chunks=[], num_tokens=0, failures=[]), reused or []
