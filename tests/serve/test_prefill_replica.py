@@ -80,22 +80,15 @@ def test_prefill_cancelled_while_the_engine_exports_still_publishes_the_kv():
     awaited without `_shielded`."""
 
     async def main():
-        inbox = await DeltaInbox.start()
-        head = inbox.open(head_id("r-0"))
         engine = ExportHeldEngine()
-        server, release, published = _publish_held(engine)
-        metrics = server.host.metrics
-        metrics.timed = functools.partial(ReplicaMetrics.timed, metrics)  # the real wrapper
-        release.set()
-        gen = GenerateRequest("r-0", [1, 2, 3], SamplingParams(max_tokens=2))
-        call = asyncio.ensure_future(server.prefill_to(gen, inbox.reply_to, HandOff("h-0")))
-        await asyncio.wait_for(head.get(), 10)
+        inbox, call, _, release, published = await _prefill_to_its_head(engine, max_tokens=2)
+        release.set()  # only the engine's export is held here
         call.cancel()  # what Ray's cancel does to the replica's coroutine
         await asyncio.wait({call})
         engine.exported.set()
         await asyncio.wait_for(published.wait(), 10)
         await inbox.stop()
-        return call, engine.aborted, server.exported
+        return call, engine.aborted, call.server.exported
 
     call, aborted, exported = asyncio.run(main())
     assert call.cancelled() and aborted == [] and exported == ["c"]
@@ -105,19 +98,13 @@ async def _prefill_around_export(engine: ExportHeldEngine, reused: list | None =
     """A `prefill_to` call over ``engine`` (publish not held; ``reused``: the chunks the
     store had): -> (the token the inbox got, whether the call was still running then, its
     answer, the server)."""
-    inbox = await DeltaInbox.start()
-    head = inbox.open(head_id("r-0"))
-    server, release, _ = _publish_held(engine)
-    server.host.import_from_store = lambda prompt, salt: _nothing_stored(reused or [])
+    inbox, call, got, release, _ = await _prefill_to_its_head(engine, 2, reused)
     release.set()  # only the engine's export is held here
-    gen = GenerateRequest("r-0", [1, 2, 3], SamplingParams(max_tokens=2))
-    call = asyncio.ensure_future(server.prefill_to(gen, inbox.reply_to, HandOff("h-0")))
-    got = await asyncio.wait_for(head.get(), 10)
     exporting = not call.done()
     engine.exported.set()
     result = await asyncio.wait_for(call, 10)
     await inbox.stop()
-    return got, exporting, result, server
+    return got, exporting, result, call.server
 
 
 class ExportHeldEngine(StepEngine):
@@ -184,25 +171,32 @@ def test_prefill_cancelled_after_its_first_token_still_publishes_the_kv():
     assert asyncio.run(main()).cancelled()
 
 
-async def _prefill_to_its_head():
-    """A `prefill_to` call (publish held) run until its first token reached the inbox:
-    -> (inbox, the call's task, that token, release, published)."""
+async def _prefill_to_its_head(
+    engine: StepEngine | None = None, max_tokens: int = 1, reused: list | None = None
+):
+    """A `prefill_to` call over ``engine`` (publish held; ``reused``: the chunks the store
+    had) run until its first token reached the inbox: -> (inbox, the call's task, that
+    token, release, published); the call's server is ``call.server``."""
     inbox = await DeltaInbox.start()
     head = inbox.open(head_id("r-0"))
-    server, release, published = _publish_held()
-    gen = GenerateRequest("r-0", [1, 2, 3], SamplingParams(max_tokens=1))
+    server, release, published = _publish_held(engine, reused)
+    gen = GenerateRequest("r-0", [1, 2, 3], SamplingParams(max_tokens=max_tokens))
     call = asyncio.ensure_future(server.prefill_to(gen, inbox.reply_to, HandOff("h-0")))
     call.server = server
     got = await asyncio.wait_for(head.get(), 10)
     return inbox, call, got, release, published
 
 
-def _publish_held(engine: StepEngine | None = None) -> tuple[object, asyncio.Event, asyncio.Event]:
-    """A PrefillServer whose KV publish waits for ``release``, then sets ``published``."""
+def _publish_held(
+    engine: StepEngine | None = None, reused: list | None = None
+) -> tuple[object, asyncio.Event, asyncio.Event]:
+    """A PrefillServer whose KV publish waits for ``release``, then sets ``published``;
+    its metrics' `timed` is the real wrapper (over stand-in observe / inc)."""
     server = _server(PrefillServer, engine or StepEngine())
     server.host.name = "p"
-    server.host.metrics.timed = lambda deltas, *args, **kwargs: deltas
-    server.host.import_from_store = lambda prompt, salt: _nothing_stored()
+    metrics = server.host.metrics
+    metrics.timed = functools.partial(ReplicaMetrics.timed, metrics)
+    server.host.import_from_store = lambda prompt, salt: _nothing_stored(reused)
     server._handing_over = set()
     release, published = asyncio.Event(), asyncio.Event()
 
