@@ -6,11 +6,14 @@ its Serve method `generate_to` runs) in a task; `Cancel`, or the connection endi
 went away), cancels it, which aborts its engine request, as a cancelled Serve call does. A
 call needs one of the replica's `Slots` (its `max_ongoing_requests`, shared with Serve's
 calls) at once, else it is answered `ReplicaBusy`, and the ingress places it through Serve.
+A running call may be sent one value by the ingress (`Deliver`), which it awaits through
+`call_mail()` (the decode call: the prefill's result, app/serve/decode.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import pickle
 import secrets
@@ -22,6 +25,7 @@ from app.serve.call_wire import (
     Accepted,
     CallAddress,
     Cancel,
+    Deliver,
     Ended,
     ReplicaBusy,
     Submit,
@@ -36,6 +40,17 @@ from app.serve.delta_wire import (
 from app.serve.slots import Slots
 
 log = logging.getLogger(__name__)
+# The running direct call's mail: resolved by the ingress's `Deliver` for it. Set in the
+# context of each call's task only (a Serve call sees None: nothing can be delivered to it).
+_CALL_MAIL: contextvars.ContextVar[asyncio.Future | None] = contextvars.ContextVar(
+    "call_mail", default=None
+)
+
+
+def call_mail() -> asyncio.Future | None:
+    """The value the ingress delivers to the direct call running in this task, to await;
+    None when this task runs no direct call."""
+    return _CALL_MAIL.get()
 
 
 class CallPort:
@@ -106,6 +121,7 @@ class _Connection:
     def __init__(self, port: CallPort, writer: asyncio.StreamWriter):
         self.port, self.writer = port, writer
         self.tasks: dict[int, asyncio.Task] = {}
+        self.mail: dict[int, asyncio.Future] = {}  # each running call's `call_mail()`
         self.cancelled: set[int] = set()  # calls the ingress cancelled (no answer owed)
 
     def handle(self, message: object) -> None:
@@ -114,6 +130,10 @@ class _Connection:
             if task is not None:
                 self.cancelled.add(message.call_id)
                 task.cancel()
+        elif isinstance(message, Deliver):
+            mail = self.mail.get(message.call_id)
+            if mail is not None and not mail.done():  # else the call ended: dropped
+                mail.set_result(message.value)
         elif isinstance(message, Submit) and message.method in DIRECT_METHODS:
             self._start(message)
         elif isinstance(message, Submit):
@@ -144,13 +164,20 @@ class _Connection:
         port.ongoing += 1
         port.calls += 1
         _reply(self.writer, Accepted(call.call_id))
-        task = self.tasks[call.call_id] = asyncio.ensure_future(run)
+        mail = self.mail[call.call_id] = asyncio.get_running_loop().create_future()
+        context = contextvars.copy_context()
+        context.run(_CALL_MAIL.set, mail)
+        task = asyncio.get_running_loop().create_task(run, context=context)
+        self.tasks[call.call_id] = task
         task.add_done_callback(lambda t: self._ended(call.call_id, t))
 
     def _ended(self, call_id: int, task: asyncio.Task) -> None:
         self.port.ongoing -= 1
         self.port.slots.release()
         self.tasks.pop(call_id, None)
+        mail = self.mail.pop(call_id, None)
+        if mail is not None:
+            mail.cancel()  # a value delivered but never awaited goes with it
         if call_id in self.cancelled:
             self.cancelled.discard(call_id)
             return  # cancelled by the ingress (or its connection ended): nobody waits

@@ -2,16 +2,19 @@
 TCP connection instead of a Ray Serve handle call (`call_channel: socket`, docs/serving.md).
 
 One connection per (ingress, replica) pair; the ingress sends its token first, then frames
-of `Submit` / `Cancel`; the replica answers each call with `Accepted` (or `Ended` with a
-`ReplicaBusy` error when it has no room) and later `Ended`. Frames use the delta channel's
-framing (a 4-byte length and a pickled list, `delta_wire`), so the same trust rule holds:
-both ends are processes of one Ray cluster. The deltas of an accepted call still travel
-over the delta channel to the ingress's inbox; this channel carries only the call itself.
+of `Submit` / `Cancel` / `Deliver`; the replica answers each call with `Accepted` (or
+`Ended` with a `ReplicaBusy` error when it has no room) and later `Ended`. Frames use the
+delta channel's framing (a 4-byte length and a pickled list, `delta_wire`), so the same
+trust rule holds: both ends are processes of one Ray cluster. The deltas of an accepted
+call still travel over the delta channel to the ingress's inbox; this channel carries only
+the call itself (and what is delivered to it).
 
 Only calls whose arguments and result are plain data go this way: a Ray `ObjectRef`
 pickled outside Ray would be pinned for its owner's life. So the disaggregated calls carry
-no refs: the prefill replica posts its result (with the prompt's KV chunk refs) to the
-store's hand-off box and the decode replica takes it there (app/kvstore/handoff.py).
+no refs: a prefill result with KV chunk refs is posted to the store's hand-off box and the
+decode replica takes it there (app/kvstore/handoff.py); one whose KV travels in-band (a
+short prompt's partial chunk) comes back to the ingress, which `Deliver`s it to the
+decode call it placed (docs/kv_transfer.md "Hand-off").
 """
 
 from __future__ import annotations
@@ -58,6 +61,15 @@ class Submit:
 @dataclass(frozen=True, slots=True)
 class Cancel:
     call_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class Deliver:
+    """A value for a running call, which awaits it (`call_port.call_mail`); dropped if the
+    call has ended or already has one."""
+
+    call_id: int
+    value: Any
 
 
 @dataclass(frozen=True, slots=True)

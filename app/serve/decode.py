@@ -11,6 +11,8 @@ from collections.abc import AsyncIterator
 from ray import serve
 
 from app.engine.request import Request, RequestDelta
+from app.kvstore.handoff import TAKE_WITHIN_S, HandOffLost
+from app.serve.call_port import call_mail
 from app.serve.delta_outbox import stream_to
 from app.serve.delta_wire import ReplyTo, StreamSummary
 from app.serve.engine_replica import EngineReplica
@@ -55,7 +57,7 @@ class DecodeServer(EngineReplica):
     async def run_generate_to(self, req: DecodeRequest, reply_to: ReplyTo) -> StreamSummary:
         """The same deltas, sent to the ingress's inbox (see EngineServer.generate_to).
         The call may arrive while the prefill still runs (``req.prefill`` a `HandOff`):
-        the prefill's result is taken from the hand-off box, waiting for it there. Nothing
+        it waits for the prefill's result (`_prefill_result`). Nothing
         is sent if the prefill's token already ended the choice (the ingress cancels this
         call then)."""
         prompt = req.request.prompt_token_ids
@@ -90,9 +92,20 @@ class DecodeServer(EngineReplica):
         return StreamSummary(req.request.request_id, tokens)
 
     async def _prefill_result(self, req: DecodeRequest) -> PrefillResult:
-        """The prefill's result: in the message, or taken from the hand-off box."""
+        """The prefill's result: in the message, delivered to this call by the ingress (a
+        direct call: the result itself when its KV is in-band, else None, and it is in the
+        hand-off box), or taken from the box (a Serve call: nothing can be delivered)."""
         if isinstance(req.prefill, PrefillResult):
             return req.prefill
+        mail = call_mail()
+        if mail is not None:
+            try:
+                async with asyncio.timeout(TAKE_WITHIN_S):
+                    delivered = await mail
+            except TimeoutError:
+                raise HandOffLost(f"no prefill result for {req.prefill.key!r}") from None
+            if delivered is not None:
+                return delivered
         assert self.hand_offs is not None, "a decode replica uses the store"
         return await self.hand_offs.take(req.prefill.key)
 

@@ -63,6 +63,13 @@ class PlacedCall:
         assigned it, or a BackPressureError when its queue is full)."""
         await asyncio.shield(self._placed)
 
+    def deliver(self, value: Any) -> bool:
+        """Sends ``value`` to the running call on its replica (its `call_mail()`): False if
+        the call went through Serve, is not placed yet, or has ended (nothing sent)."""
+        if self.via != "direct":
+            return False
+        return self._direct.result().deliver(value)
+
     def cancel(self) -> None:
         direct = self._direct
         if not direct.done():

@@ -4,7 +4,8 @@ Colocated: one `EngineServer` call per choice. Disaggregated: `prefill` (first t
 prompt's KV as store chunks), then one `DecodeServer` call for the rest. With the delta
 channel (`delta_channel: socket`, an inbox given) that call is the unary, long-lived
 `generate_to`, whose deltas arrive through the ingress's `DeltaInbox`, and the prefill's
-result reaches it through the store's hand-off box; otherwise it is the Serve stream
+result reaches it from this ingress or through the store's hand-off box (`_hand_over`);
+otherwise it is the Serve stream
 `generate`. With the direct call channel (`direct` callers given) these unary calls go over
 the replicas' call ports, else through Serve handles. Cancelling a choice cancels the
 replica call, whose engine aborts the request and frees its KV blocks at once.
@@ -22,9 +23,10 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
 from app.engine.request import RequestDelta
+from app.kvstore.handoff import HandOffs
 from app.serve.delta_inbox import DeltaInbox, DeltaQueue
 from app.serve.delta_wire import ReplyTo, head_id
-from app.serve.direct_calls import DirectCaller, assigned
+from app.serve.direct_calls import DirectCaller, PlacedCall, assigned
 from app.serve.messages import DecodeRequest, GenerateRequest, HandOff, PrefillResult, RoutingInfo
 from app.serve.metrics import ReplicaMetrics
 from app.serve.normalize import EngineInfo, NormalizedRequest
@@ -96,15 +98,16 @@ async def _inbox_deltas(
     start: Callable[[ReplyTo], Any],
     admission: AdmissionTicket,
     first: Awaitable[RequestDelta] | None = None,
-    prefill: asyncio.Future | None = None,
+    handed: asyncio.Future | None = None,
 ) -> AsyncIterator[RequestDelta]:
     """One choice's deltas from the inbox while its unary `generate_to` call (``start``)
     runs. ``first``: the prefill's first delta (awaited: the decode call may be placed
     while the prefill runs), given out once the decode call has a replica (so an
     overloaded decode deployment still answers 429 before any byte); if it already ends
-    the choice, the decode call is cancelled. ``prefill``: the prefill call, whose failure
-    (even after its token) fails the choice while the decode call has sent nothing: that
-    call would wait for the prefill's result in vain (once it sends, it has the result)."""
+    the choice, the decode call is cancelled. ``handed``: the prefill's hand-over to the
+    decode call, whose failure (the prefill's, even after its token) fails the choice while
+    the decode call has sent nothing: that call would wait for the prefill's result in vain
+    (once it sends, it has the result)."""
     queue = inbox.open(request_id)  # before the call: no delta can be missed
     try:
         response = start(inbox.reply_to)
@@ -113,8 +116,8 @@ async def _inbox_deltas(
         raise
     call = asyncio.ensure_future(_result(response))
     call.add_done_callback(lambda c: _call_ended(c, queue))
-    if prefill is not None:
-        prefill.add_done_callback(lambda p: queue.received or _call_ended(p, queue, final=False))
+    if handed is not None:
+        handed.add_done_callback(lambda h: queue.received or _call_ended(h, queue, final=False))
     try:
         if first is not None:
             await assigned(response)
@@ -147,7 +150,7 @@ class RequestDriver:
         record_placement: bool = False,
         inbox: DeltaInbox | None = None,
         direct: dict[str, DirectCaller] | None = None,
-        discard_hand_off: Callable[[str], None] | None = None,
+        hand_offs: HandOffs | None = None,
     ):
         assert (engine is None) != (prefill is None and decode is None), "one mode"
         assert not direct or inbox is not None, "direct calls send their deltas to an inbox"
@@ -158,9 +161,10 @@ class RequestDriver:
         # By deployment ("engine", "prefill", "decode"): its unary calls go direct when they
         # can; a deployment not here gets every call through its Serve handle.
         self.direct = direct or {}
-        # Disaggregated: drops a prefill's posted result whose decode call will not take it
-        # (the store's hand-off box, app/kvstore/handoff.py); None: nothing to drop.
-        self.discard_hand_off = discard_hand_off
+        # Disaggregated: the store's hand-off box (app/kvstore/handoff.py), where this
+        # ingress posts a prefill's result for a decode call placed through Serve, and drops
+        # one whose decode call will not take it; None: neither is needed.
+        self.hand_offs = hand_offs
         self._info: EngineInfo | None = None
         self.placement: dict[str, dict[str, Any]] = {}  # engine request id -> where it ran
 
@@ -268,8 +272,9 @@ class RequestDriver:
         prefill call has a replica, and takes the prefill's result from the store's
         hand-off box itself; so the first token waits for the longer of the prefill and
         the decode assignment, not for both in turn. The prefill replica sends the first
-        token to the inbox ahead of its result (`PrefillServer.run_prefill_to`). Neither
-        message carries a Ray ref, so both calls may go over the direct call channel."""
+        token to the inbox ahead of its result (`PrefillServer.run_prefill_to`), and the
+        result reaches the decode call through `_hand_over`. Neither call's message
+        carries a Ray ref, so both may go over the direct call channel."""
         key = head_id(gen.request_id)
         head = self.inbox.open(key)  # before the call: the token cannot be missed
         hand_off = HandOff(gen.request_id)
@@ -290,11 +295,17 @@ class RequestDriver:
             result.add_done_callback(lambda t: t.cancelled() or t.exception())  # seen below
             message = _decode_request(gen, hand_off)
             first = asyncio.ensure_future(self._first_token(gen, result, head))
-            start = lambda reply_to: self._place(  # noqa: E731
-                "decode", "generate_to", message.routing, (message, reply_to)
-            )
+            placed = asyncio.get_running_loop().create_future()  # the decode call
+            handed = asyncio.ensure_future(self._hand_over(result, placed, hand_off))
+            handed.add_done_callback(lambda t: t.cancelled() or t.exception())  # seen below
+
+            def start(reply_to: ReplyTo):
+                decode = self._place("decode", "generate_to", message.routing, (message, reply_to))
+                placed.set_result(decode)
+                return decode
+
             deltas = _inbox_deltas(
-                self.inbox, gen.request_id, start, admission, first, prefill=result
+                self.inbox, gen.request_id, start, admission, first, handed=handed
             )
             n = 0  # delta 0 is the prefill's token
             try:
@@ -303,21 +314,44 @@ class RequestDriver:
                         settled, n = n > 0 and delta.finished, n + 1
                         yield delta
             finally:
+                handed.cancel()  # done unless the choice ended before its hand-over
                 if not first.done():  # refused (429), cancelled or failed before the token
                     first.cancel()
                     result.cancel()
                     prefill.cancel()
         finally:
             self.inbox.close(key)
-            if not settled and self.discard_hand_off is not None:
+            if not settled and self.hand_offs is not None:
                 # Its decode call may never take the result (refused, cancelled before the
                 # take, or the token ended the choice), and a prefill cancelled late may
                 # still have posted it (even while its placement was awaited): it must not
                 # stay in the box.
-                self.discard_hand_off(hand_off.key)
+                self.hand_offs.discard(hand_off.key)
+
+    async def _hand_over(
+        self, result: asyncio.Future[PrefillResult], placed: asyncio.Future, hand_off: HandOff
+    ) -> None:
+        """The prefill's result to the decode call (``placed``) waiting for it. A direct
+        call is delivered the result when its KV is in-band: one TCP frame from this
+        ingress instead of the prefill replica's post to the hand-off box and the box's
+        answer to the decode replica's take (two Ray actor calls, and the box's CPU);
+        else it is told the result is in the box. A call placed through Serve cannot be
+        delivered to, so an in-band result is posted to the box for it here. Fails when
+        the prefill fails or that post does (`_inbox_deltas` fails the choice then)."""
+        prefilled = await result
+        decode = await placed
+        try:
+            await assigned(decode)
+        except Exception:  # noqa: BLE001 - refused or failed: the choice sees it from the call
+            return
+        delivered = prefilled if not prefilled.posted else None
+        if isinstance(decode, PlacedCall) and decode.deliver(delivered):
+            return
+        if not prefilled.posted and self.hand_offs is not None:
+            await self.hand_offs.post(hand_off.key, prefilled)
 
     async def _first_token(
-        self, gen: GenerateRequest, result: asyncio.Future, head: DeltaQueue
+        self, gen: GenerateRequest, result: asyncio.Future[PrefillResult], head: DeltaQueue
     ) -> RequestDelta:
         """The prefill's first token: from the inbox when the replica sent it ahead of its
         result, else from the result (whose failure raises here)."""
@@ -330,12 +364,12 @@ class RequestDriver:
             # The result lands later (placement recorded then); its failure after the
             # token fails the choice (`_inbox_deltas` watches it).
             return dataclasses.replace(early.result(), request_id=gen.request_id)
-        return await result
+        return (await result).first
 
-    async def _prefilled(self, gen: GenerateRequest, prefill) -> RequestDelta:
+    async def _prefilled(self, gen: GenerateRequest, prefill) -> PrefillResult:
         result = await prefill
         self._record(gen, result, getattr(prefill, "via", "serve"))
-        return result.first
+        return result
 
     def _record(self, gen: GenerateRequest, result, via: str = "serve") -> None:
         """Where the choice's prefill ran (``via``: over the direct call channel or Serve)."""
@@ -348,4 +382,5 @@ class RequestDriver:
             "store_tokens": result.num_store_tokens,
             "store_failures": result.store_failures,
             "prefill_via": via,
+            "result_in_box": result.posted,  # else in-band, through this ingress
         }

@@ -75,12 +75,12 @@ class Ingress(GrpcIngress):  # gRPC adapter: app/serve/grpc_servicer.py
                 if h is not None
             }
         hints = self.args.allow_routing_hints
-        discard = None  # results the decode calls of ended choices will not take
-        if prefill is not None:
-            discard = HandOffs(self.args.store_name).discard
+        # disaggregated: prefill results for decode calls placed through Serve, and those
+        # the decode calls of ended choices will not take
+        hand_offs = HandOffs(self.args.store_name) if prefill is not None else None
         self.driver = RequestDriver(
             metrics, prefill, decode, engine, hints, inbox=inbox, direct=direct,
-            discard_hand_off=discard,
+            hand_offs=hand_offs,
         )  # fmt: skip
         self.normalizer = RequestNormalizer(
             self.args, self.model_name, self.tokenizer, self.driver.describe

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from app.engine.request import RequestDelta
 from app.engine.sampling_params import SamplingParams
 from app.kv.keys import chain_keys, make_salt
@@ -38,13 +40,23 @@ class PrefillResult:
     replica: str
     num_store_tokens: int = 0  # prompt tokens whose KV came from the shared store
     store_failures: int = 0
+    # True: the result (chunk refs included) was posted to the hand-off box, and these
+    # chunks left out; False: it is whole here, its KV in-band (no Ray ref)
+    posted: bool = False
+
+    @property
+    def in_band(self) -> bool:
+        """Every chunk travels inside the result (its bytes, no Ray ref): it may be pickled
+        outside Ray, e.g. over the direct call channel."""
+        return all(isinstance(c.ref, np.ndarray) for c in self.chunks)
 
 
 @dataclass(frozen=True, slots=True)
 class HandOff:
-    """Where the decode replica finds the prefill's result: posted under ``key`` to the
-    store's hand-off box (app/kvstore/handoff.py) by the prefill replica. The ingress
-    places the decode call while the prefill runs, with this instead of the result."""
+    """Where the decode replica finds the prefill's result, when the ingress places the
+    decode call while the prefill runs: delivered to the call by the ingress (a direct
+    call whose result is in-band), else posted under ``key`` to the store's hand-off box
+    (app/kvstore/handoff.py), by the prefill replica or the ingress."""
 
     key: str
 

@@ -13,7 +13,7 @@ import itertools
 import logging
 from typing import Any
 
-from app.serve.call_wire import Accepted, CallAddress, Cancel, Ended, Submit
+from app.serve.call_wire import Accepted, CallAddress, Cancel, Deliver, Ended, Submit
 from app.serve.delta_wire import DeltaChannelError, encode_frame, read_frame
 
 log = logging.getLogger(__name__)
@@ -35,6 +35,11 @@ class DirectCall:
     def cancel(self) -> None:
         if not self.result.done():
             self.link.cancel(self.call_id)
+
+    def deliver(self, value: Any) -> bool:
+        """Sends ``value`` to the running call (its `call_mail()`); False if the call has
+        ended or its link broke (nothing sent)."""
+        return not self.result.done() and self.link.deliver(self.call_id, value)
 
     def settle(self, message: Accepted | Ended) -> None:
         if not self.accepted.done():
@@ -92,6 +97,12 @@ class PortLink:
         if self._writer is not None and self.error is None:
             self._writer.write(encode_frame([Cancel(call_id)]))
         call.result.cancel()
+
+    def deliver(self, call_id: int, value: Any) -> bool:
+        if call_id not in self._calls or self._writer is None or self.error is not None:
+            return False
+        self._writer.write(encode_frame([Deliver(call_id, value)]))
+        return True
 
     def close(self) -> None:
         self._break(DeltaChannelError("the call channel was closed by the ingress"))

@@ -61,10 +61,12 @@ class PrefillServer(EngineReplica):
     ) -> PrefillResult:
         """`prefill`, also sending the first token to the ingress's inbox (key `head_id`)
         as soon as the engine gives it, before the KV is published (measured ~4 ms at 1
-        stream, ~9 ms at 8 of the first token's path). The result, with the KV's chunk
-        refs, is posted to the hand-off box under ``hand_off.key`` for the decode replica;
-        the ingress gets it without them (no Ray ref in the answer: this call may come over
-        the direct call channel). Should the channel fail, the answer still has the token."""
+        stream, ~9 ms at 8 of the first token's path). A result whose KV is in-band comes
+        back whole: the ingress hands it to the decode call (no hand-off box call here, nor
+        the box's answer to the decode replica). One with chunk refs is posted to the box
+        under ``hand_off.key`` for the decode replica, and the ingress gets it without them
+        (no Ray ref in the answer: this call may come over the direct call channel).
+        Should the delta channel fail, the answer still has the token."""
         try:  # opened (or reused) before the prompt runs, not on the token's path
             link: DeltaLink | None = await self.outbox.link(reply_to)
         except DeltaChannelError as e:
@@ -80,9 +82,11 @@ class PrefillServer(EngineReplica):
                 await link.drained()  # on the wire before the publish starts
 
         result = await self._prefill(req, send_head if link is not None else None)
+        if result.in_band:
+            return result
         assert self.hand_offs is not None, "a prefill replica uses the store"
         await self.hand_offs.post(hand_off.key, result)
-        return dataclasses.replace(result, chunks=[])
+        return dataclasses.replace(result, chunks=[], posted=True)
 
     async def _prefill(
         self,

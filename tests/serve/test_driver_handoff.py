@@ -1,6 +1,8 @@
 """RequestDriver without Ray, disaggregated over the delta channel: the decode call placed
 while the prefill runs, the prefill's token sent ahead, its result handed to the decode
-call through the hand-off box (faked), and what the ingress discards from that box."""
+call through the hand-off box (faked; the calls here go through Serve: the delivery to a
+direct call is in test_call_handoff.py), and what the ingress posts to and discards from
+that box."""
 
 from __future__ import annotations
 
@@ -21,10 +23,25 @@ from app.serve.normalize import NormalizedRequest
 from serve.test_driver import DESCRIBE, _Method, delta
 
 
+class _BoxClient:
+    """The ingress's client of the hand-off box (`HandOffs`): posts into the fake ``box``
+    (key -> a future of the posted value), records what it discards."""
+
+    def __init__(self, box: dict[str, asyncio.Future]):
+        self.box, self.discarded, self.posted = box, [], []
+
+    async def post(self, key: str, value) -> None:
+        self.posted.append(key)
+        self.box[key].set_result(value)
+
+    def discard(self, key: str) -> None:
+        self.discarded.append(key)
+
+
 class _PrefillCall:
     """A unary call to a prefill replica (`prefill_to`): awaitable (its result, once
-    `release`d, which also posts the result to the hand-off ``box`` under its key, as
-    PrefillServer does) and `cancel()`."""
+    `release`d, which also posts the result to the hand-off ``box`` under its key when it
+    is not in-band, as PrefillServer does) and `cancel()`."""
 
     def __init__(self, calls: list[str], result: PrefillResult, posted: asyncio.Future):
         self.calls, self.result, self.posted = calls, result, posted
@@ -33,7 +50,8 @@ class _PrefillCall:
 
     def release(self) -> None:
         self.calls.append("prefill.done")
-        self.posted.set_result(self.result)
+        if self.result.posted:
+            self.posted.set_result(self.result)
         self.ref.set_result(self.result)
 
     def fail(self, error: Exception) -> None:
@@ -94,17 +112,20 @@ async def _send_head(reply_to, first: RequestDelta, request_id: str) -> None:
     await link.drained()
 
 
-def _overlap_driver(calls, first, rest, refuse=None, head=False, release=True):
+def _overlap_driver(calls, first, rest, refuse=None, head=False, release=True, in_band=False):
     """head: the fake prefill sends its token ahead of its result; release: its result
-    comes 50 ms after the decode call was placed (else the test releases it)."""
+    comes 50 ms after the decode call was placed (else the test releases it); in_band: the
+    result comes back whole, not posted (else the prefill posts it: its KV has refs).
+    state["box"]: the ingress's client of the box."""
     state = {}
     box: dict[str, asyncio.Future] = {}  # the hand-off box: key -> the posted result
+    state["box"] = _BoxClient(box)
 
     class Prefill:
         def remote(self, gen, reply_to, hand_off):
             calls.append("prefill")
             posted = box[hand_off.key] = asyncio.get_running_loop().create_future()
-            result = PrefillResult(gen.request_id, first, [], "p")
+            result = PrefillResult(gen.request_id, first, [], "p", posted=not in_band)
             state["prefill"] = _PrefillCall(calls, result, posted)
             if head:
                 state["head"] = asyncio.ensure_future(_send_head(reply_to, first, gen.request_id))
@@ -123,16 +144,16 @@ def _overlap_driver(calls, first, rest, refuse=None, head=False, release=True):
     return prefill, decode, state
 
 
-def _run_overlapped(first, rest, refuse=None, max_tokens=4, hints=None):
+def _run_overlapped(first, rest, refuse=None, max_tokens=4, hints=None, in_band=False):
     calls: list[str] = []
 
     async def go():
         inbox = await DeltaInbox.start()
-        prefill, decode, state = _overlap_driver(calls, first, rest, refuse)
-        state["discarded"] = []
+        prefill, decode, state = _overlap_driver(calls, first, rest, refuse, in_band=in_band)
+        state["discarded"] = state["box"].discarded
         driver = RequestDriver(
             ReplicaMetrics("ingress", "test-driver"), prefill=prefill, decode=decode, inbox=inbox,
-            discard_hand_off=state["discarded"].append,
+            hand_offs=state["box"],
         )  # fmt: skip
         params = SamplingParams(max_tokens=max_tokens)
         req = NormalizedRequest("r", "e", "text_completion", [5, 6, 7], params, hints=hints or {})
@@ -160,6 +181,19 @@ def test_the_decode_call_is_placed_while_the_prefill_runs():
     assert "".join(d.text_delta for d in got) == "Hello"
     assert got[-1].finish_reason == "stop" and not state["prefill"].cancelled
     assert state["discarded"] == []  # the decode call took the result
+    assert state["box"].posted == []  # the prefill posted it
+
+
+def test_an_in_band_result_for_a_decode_call_placed_through_serve_is_posted_by_the_ingress():
+    """A prefill result whose KV is in-band comes back whole instead of being posted (the
+    ingress delivers it to a direct decode call); a decode call placed through Serve takes
+    from the box, so the ingress posts it there. Seen failing (collect timed out, the decode
+    call waiting in the box) without the ingress's post."""
+    first = delta([40], "He", finished=True)
+    rest = [delta([41], "l"), delta([42, 2], "lo", finished=True, reason="stop")]
+    got, calls, state = _run_overlapped(first, rest, in_band=True)
+    assert "".join(d.text_delta for d in got) == "Hello", got
+    assert state["box"].posted == ["e-0"] and state["discarded"] == []
 
 
 def test_a_prefill_routing_hint_does_not_follow_the_request_to_the_decode_deployment():
@@ -310,13 +344,12 @@ async def _placing_prefill(placement):
         return call
 
     prefill.prefill_to.remote = placed_so
-    discarded: list[str] = []
     driver = RequestDriver(
         ReplicaMetrics("ingress", "test-driver"), prefill=prefill, decode=decode, inbox=inbox,
-        discard_hand_off=discarded.append,
+        hand_offs=state["box"],
     )  # fmt: skip
     req = NormalizedRequest("r", "e", "text_completion", [5, 6, 7], SamplingParams(max_tokens=4))
-    return inbox, await driver.start(req), state, discarded
+    return inbox, await driver.start(req), state, state["box"].discarded
 
 
 def test_a_choice_cancelled_while_its_prefill_is_placed_discards_the_hand_off():

@@ -9,6 +9,8 @@ import functools
 import threading
 from types import SimpleNamespace
 
+import numpy as np
+
 from app.engine.request import RequestDelta
 from app.engine.sampling_params import SamplingParams
 from app.serve.delta_inbox import DeltaInbox
@@ -41,8 +43,26 @@ def test_prefill_to_sends_the_first_token_before_publishing_the_kv():
     assert publishing and got.request_id == head_id("r-0")
     assert got.new_token_ids == result.first.new_token_ids == [1]
     assert result.first.request_id == "r-0" and result.first.exported_chunks is None
-    assert result.chunks == [] and posted["h-0"].chunks == [PUBLISHED]
+    assert result.chunks == [] and result.posted and posted["h-0"].chunks == [PUBLISHED]
     assert posted["h-0"].first == result.first
+
+
+def test_prefill_to_gives_a_result_whose_kv_is_in_band_to_the_ingress_not_the_box():
+    """A result whose chunks all travel in-band (their bytes, no Ray ref: a short prompt's
+    partial chunk) comes back whole and is not posted: the ingress delivers it to the
+    decode call. Seen failing (posted, chunks left out) with every result posted."""
+    in_band = SimpleNamespace(key=b"p", ref=np.zeros(8, np.uint8))
+
+    async def main():
+        inbox, call, _, release, _ = await _prefill_to_its_head(chunk=in_band)
+        release.set()
+        result = await call
+        await inbox.stop()
+        return result, call.server.hand_offs.posted
+
+    result, posted = asyncio.run(main())
+    assert result.chunks == [in_band] and not result.posted and posted == {}
+    assert result.first.new_token_ids == [1]
 
 
 def test_prefill_to_sends_the_first_token_before_the_engine_exports_the_kv():
@@ -172,14 +192,18 @@ def test_prefill_cancelled_after_its_first_token_still_publishes_the_kv():
 
 
 async def _prefill_to_its_head(
-    engine: StepEngine | None = None, max_tokens: int = 1, reused: list | None = None
+    engine: StepEngine | None = None,
+    max_tokens: int = 1,
+    reused: list | None = None,
+    chunk: object = None,
 ):
     """A `prefill_to` call over ``engine`` (publish held; ``reused``: the chunks the store
-    had) run until its first token reached the inbox: -> (inbox, the call's task, that
-    token, release, published); the call's server is ``call.server``."""
+    had; ``chunk``: what the publish gives, PUBLISHED if None) run until its first token
+    reached the inbox: -> (inbox, the call's task, that token, release, published); the
+    call's server is ``call.server``."""
     inbox = await DeltaInbox.start()
     head = inbox.open(head_id("r-0"))
-    server, release, published = _publish_held(engine, reused)
+    server, release, published = _publish_held(engine, reused, chunk or PUBLISHED)
     gen = GenerateRequest("r-0", [1, 2, 3], SamplingParams(max_tokens=max_tokens))
     call = asyncio.ensure_future(server.prefill_to(gen, inbox.reply_to, HandOff("h-0")))
     call.server = server
@@ -188,10 +212,11 @@ async def _prefill_to_its_head(
 
 
 def _publish_held(
-    engine: StepEngine | None = None, reused: list | None = None
+    engine: StepEngine | None = None, reused: list | None = None, chunk: object = None
 ) -> tuple[object, asyncio.Event, asyncio.Event]:
-    """A PrefillServer whose KV publish waits for ``release``, then sets ``published``;
-    its metrics' `timed` is the real wrapper (over stand-in observe / inc)."""
+    """A PrefillServer whose KV publish waits for ``release``, then sets ``published`` and
+    gives ``chunk`` (PUBLISHED if None); its metrics' `timed` is the real wrapper (over
+    stand-in observe / inc)."""
     server = _server(PrefillServer, engine or StepEngine())
     server.host.name = "p"
     metrics = server.host.metrics
@@ -204,14 +229,16 @@ def _publish_held(
         await release.wait()
         server.exported = exported
         published.set()
-        return [PUBLISHED]
+        return [chunk or PUBLISHED]
 
     server._publish = publish
     return server, release, published
 
 
-PUBLISHED = SimpleNamespace(key=b"k")  # stands in for a published chunk's StoredChunk
-STORED = SimpleNamespace(key=b"s")  # and for one the store had already
+# Stand in for a published chunk's StoredChunk (its ``ref`` a Ray ref) and for one the
+# store had already
+PUBLISHED = SimpleNamespace(key=b"k", ref="a Ray ref")
+STORED = SimpleNamespace(key=b"s", ref="a Ray ref")
 
 
 async def _nothing_stored(reused: list | None = None):
