@@ -14,7 +14,7 @@ pickled outside Ray would be pinned for its owner's life. So the disaggregated c
 no refs: a prefill result with KV chunk refs is posted to the store's hand-off box and the
 decode replica takes it there (app/kvstore/handoff.py); one whose KV travels in-band (a
 short prompt's partial chunk) comes back to the ingress, which `Deliver`s it to the
-decode call it placed (docs/kv_transfer.md "Hand-off").
+decode call it placed (docs/serving.md "The prefill -> decode hand-off").
 """
 
 from __future__ import annotations
