@@ -1,11 +1,13 @@
-"""Hand-offs: one value per key, posted by one replica and taken once by another, through a
-small async actor beside the store shards.
+"""Hand-offs: one value per key, posted by one process (a replica or the ingress) and taken
+once by another, through a small async actor beside the store shards.
 
 The disaggregated path hands a prefill's result (its first token and the prompt's KV chunk
-refs) to the decode replica that continues the request. The ingress cannot carry it: its
-calls to both replicas may go over the direct call channel (app/serve/call_wire.py), which
-pickles outside Ray, and a Ray `ObjectRef` pickled outside Ray is pinned for its owner's
-life (Ray's documented anti-pattern). Through this actor the refs travel as Ray call
+refs) to the decode replica that continues the request. The ingress cannot carry one with
+refs: its calls to both replicas may go over the direct call channel
+(app/serve/call_wire.py), which pickles outside Ray, and a Ray `ObjectRef` pickled outside
+Ray is pinned for its owner's life (Ray's documented anti-pattern). (A result whose KV is
+in-band, no ref, the ingress delivers itself, or posts here for a decode call placed
+through Serve: app/serve/result_hand_over.py.) Through this actor the refs travel as Ray call
 arguments and results, so Ray counts them: the box borrows them until they are taken.
 
 Either side may come first: a take waits (bounded, ``wait_s``; the caller asks again) for

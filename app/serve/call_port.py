@@ -19,6 +19,7 @@ import pickle
 import secrets
 import socket
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from app.serve.call_wire import (
     DIRECT_METHODS,
@@ -40,17 +41,26 @@ from app.serve.delta_wire import (
 from app.serve.slots import Slots
 
 log = logging.getLogger(__name__)
-# The running direct call's mail: resolved by the ingress's `Deliver` for it. Set in the
-# context of each call's task only (a Serve call sees None: nothing can be delivered to it).
-_CALL_MAIL: contextvars.ContextVar[asyncio.Future | None] = contextvars.ContextVar(
-    "call_mail", default=None
-)
+
+
+@dataclass(slots=True)
+class _Mail:
+    """A direct call's mail: resolved by the ingress's `Deliver` for it; None once the call
+    has ended (tasks the call started inherit the holder, not what was delivered)."""
+
+    future: asyncio.Future | None
+
+
+# Set in the context of each direct call's task only (a Serve call sees None: nothing can
+# be delivered to it).
+_CALL_MAIL: contextvars.ContextVar[_Mail | None] = contextvars.ContextVar("call_mail", default=None)
 
 
 def call_mail() -> asyncio.Future | None:
     """The value the ingress delivers to the direct call running in this task, to await;
-    None when this task runs no direct call."""
-    return _CALL_MAIL.get()
+    None when this task runs no direct call (or its call has ended)."""
+    mail = _CALL_MAIL.get()
+    return None if mail is None else mail.future
 
 
 class CallPort:
@@ -121,7 +131,7 @@ class _Connection:
     def __init__(self, port: CallPort, writer: asyncio.StreamWriter):
         self.port, self.writer = port, writer
         self.tasks: dict[int, asyncio.Task] = {}
-        self.mail: dict[int, asyncio.Future] = {}  # each running call's `call_mail()`
+        self.mail: dict[int, _Mail] = {}  # each running call's `call_mail()`
         self.cancelled: set[int] = set()  # calls the ingress cancelled (no answer owed)
 
     def handle(self, message: object) -> None:
@@ -132,8 +142,8 @@ class _Connection:
                 task.cancel()
         elif isinstance(message, Deliver):
             mail = self.mail.get(message.call_id)
-            if mail is not None and not mail.done():  # else the call ended: dropped
-                mail.set_result(message.value)
+            if mail is not None and not mail.future.done():  # else the call ended: dropped
+                mail.future.set_result(message.value)
         elif isinstance(message, Submit) and message.method in DIRECT_METHODS:
             self._start(message)
         elif isinstance(message, Submit):
@@ -164,7 +174,7 @@ class _Connection:
         port.ongoing += 1
         port.calls += 1
         _reply(self.writer, Accepted(call.call_id))
-        mail = self.mail[call.call_id] = asyncio.get_running_loop().create_future()
+        mail = self.mail[call.call_id] = _Mail(asyncio.get_running_loop().create_future())
         context = contextvars.copy_context()
         context.run(_CALL_MAIL.set, mail)
         task = asyncio.get_running_loop().create_task(run, context=context)
@@ -176,8 +186,9 @@ class _Connection:
         self.port.slots.release()
         self.tasks.pop(call_id, None)
         mail = self.mail.pop(call_id, None)
-        if mail is not None:
-            mail.cancel()  # a value delivered but never awaited goes with it
+        if mail is not None:  # a value delivered but never awaited goes with it
+            mail.future.cancel()
+            mail.future = None
         if call_id in self.cancelled:
             self.cancelled.discard(call_id)
             return  # cancelled by the ingress (or its connection ended): nobody waits

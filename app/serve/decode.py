@@ -97,17 +97,19 @@ class DecodeServer(EngineReplica):
         hand-off box), or taken from the box (a Serve call: nothing can be delivered)."""
         if isinstance(req.prefill, PrefillResult):
             return req.prefill
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + TAKE_WITHIN_S  # for the delivery and the take together
         mail = call_mail()
         if mail is not None:
             try:
-                async with asyncio.timeout(TAKE_WITHIN_S):
+                async with asyncio.timeout_at(deadline):
                     delivered = await mail
             except TimeoutError:
                 raise HandOffLost(f"no prefill result for {req.prefill.key!r}") from None
             if delivered is not None:
                 return delivered
         assert self.hand_offs is not None, "a decode replica uses the store"
-        return await self.hand_offs.take(req.prefill.key)
+        return await self.hand_offs.take(req.prefill.key, max(0.0, deadline - loop.time()))
 
     async def _request(self, req: DecodeRequest) -> Request:  # req.prefill: a PrefillResult
         """The engine request continuing after prefill's first token, with the prompt's KV."""

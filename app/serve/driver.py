@@ -4,8 +4,8 @@ Colocated: one `EngineServer` call per choice. Disaggregated: `prefill` (first t
 prompt's KV as store chunks), then one `DecodeServer` call for the rest. With the delta
 channel (`delta_channel: socket`, an inbox given) that call is the unary, long-lived
 `generate_to`, whose deltas arrive through the ingress's `DeltaInbox`, and the prefill's
-result reaches it from this ingress or through the store's hand-off box (`_hand_over`);
-otherwise it is the Serve stream
+result reaches it from this ingress or through the store's hand-off box
+(app/serve/result_hand_over.py); otherwise it is the Serve stream
 `generate`. With the direct call channel (`direct` callers given) these unary calls go over
 the replicas' call ports, else through Serve handles. Cancelling a choice cancels the
 replica call, whose engine aborts the request and frees its KV blocks at once.
@@ -26,7 +26,7 @@ from app.engine.request import RequestDelta
 from app.kvstore.handoff import HandOffs
 from app.serve.delta_inbox import DeltaInbox, DeltaQueue
 from app.serve.delta_wire import ReplyTo, head_id
-from app.serve.direct_calls import DirectCaller, PlacedCall, assigned
+from app.serve.direct_calls import DirectCaller, assigned
 from app.serve.messages import DecodeRequest, GenerateRequest, HandOff, PrefillResult, RoutingInfo
 from app.serve.metrics import ReplicaMetrics
 from app.serve.normalize import EngineInfo, NormalizedRequest
@@ -37,6 +37,7 @@ from app.serve.responses import (
     ChoiceStream,
     choice_deltas,
 )
+from app.serve.result_hand_over import hand_over, nothing_in_the_box
 
 _PLACEMENTS = 1024  # placements kept for the debug view; streams never collect theirs
 # A replica's generate_to returns after its final delta was written to the socket; the
@@ -269,18 +270,19 @@ class RequestDriver:
         self, gen: GenerateRequest, admission: AdmissionTicket
     ) -> AsyncIterator[RequestDelta]:
         """Disaggregated with the delta channel: the decode call is placed as soon as the
-        prefill call has a replica, and takes the prefill's result from the store's
-        hand-off box itself; so the first token waits for the longer of the prefill and
-        the decode assignment, not for both in turn. The prefill replica sends the first
-        token to the inbox ahead of its result (`PrefillServer.run_prefill_to`), and the
-        result reaches the decode call through `_hand_over`. Neither call's message
-        carries a Ray ref, so both may go over the direct call channel."""
+        prefill call has a replica, and waits for the prefill's result itself (`hand_over`:
+        delivered by this ingress, or taken from the store's hand-off box); so the first
+        token waits for the longer of the prefill and the decode assignment, not for both
+        in turn. The prefill replica sends the first token to the inbox ahead of its result
+        (`PrefillServer.run_prefill_to`). Neither call's message carries a Ray ref, so
+        both may go over the direct call channel."""
         key = head_id(gen.request_id)
         head = self.inbox.open(key)  # before the call: the token cannot be missed
         hand_off = HandOff(gen.request_id)
         # True once nothing of this choice can stay in the hand-off box: its decode call took
         # the result, or the prefill was refused (never runs, never posts)
         settled = False
+        handed: asyncio.Future[bool] | None = None  # the result's hand-over, once started
         try:
             prefill = self._place(
                 "prefill", "prefill_to", gen.routing, (gen, self.inbox.reply_to, hand_off)
@@ -296,7 +298,7 @@ class RequestDriver:
             message = _decode_request(gen, hand_off)
             first = asyncio.ensure_future(self._first_token(gen, result, head))
             placed = asyncio.get_running_loop().create_future()  # the decode call
-            handed = asyncio.ensure_future(self._hand_over(result, placed, hand_off))
+            handed = asyncio.ensure_future(hand_over(result, placed, hand_off.key, self.hand_offs))
             handed.add_done_callback(lambda t: t.cancelled() or t.exception())  # seen below
 
             def start(reply_to: ReplyTo):
@@ -321,34 +323,13 @@ class RequestDriver:
                     prefill.cancel()
         finally:
             self.inbox.close(key)
-            if not settled and self.hand_offs is not None:
-                # Its decode call may never take the result (refused, cancelled before the
-                # take, or the token ended the choice), and a prefill cancelled late may
-                # still have posted it (even while its placement was awaited): it must not
-                # stay in the box.
+            # Its decode call may never take the result (refused, cancelled before the take,
+            # or the token ended the choice), and a prefill cancelled late may still have
+            # posted it (even while its placement was awaited): it must not stay in the box.
+            # Nothing to drop when the hand-over knows it was never posted (in-band).
+            unposted = handed is not None and nothing_in_the_box(handed)
+            if not settled and not unposted and self.hand_offs is not None:
                 self.hand_offs.discard(hand_off.key)
-
-    async def _hand_over(
-        self, result: asyncio.Future[PrefillResult], placed: asyncio.Future, hand_off: HandOff
-    ) -> None:
-        """The prefill's result to the decode call (``placed``) waiting for it. A direct
-        call is delivered the result when its KV is in-band: one TCP frame from this
-        ingress instead of the prefill replica's post to the hand-off box and the box's
-        answer to the decode replica's take (two Ray actor calls, and the box's CPU);
-        else it is told the result is in the box. A call placed through Serve cannot be
-        delivered to, so an in-band result is posted to the box for it here. Fails when
-        the prefill fails or that post does (`_inbox_deltas` fails the choice then)."""
-        prefilled = await result
-        decode = await placed
-        try:
-            await assigned(decode)
-        except Exception:  # noqa: BLE001 - refused or failed: the choice sees it from the call
-            return
-        delivered = prefilled if not prefilled.posted else None
-        if isinstance(decode, PlacedCall) and decode.deliver(delivered):
-            return
-        if not prefilled.posted and self.hand_offs is not None:
-            await self.hand_offs.post(hand_off.key, prefilled)
 
     async def _first_token(
         self, gen: GenerateRequest, result: asyncio.Future[PrefillResult], head: DeltaQueue
@@ -382,5 +363,7 @@ class RequestDriver:
             "store_tokens": result.num_store_tokens,
             "store_failures": result.store_failures,
             "prefill_via": via,
-            "result_in_box": result.posted,  # else in-band, through this ingress
+            # the prefill replica posted its result to the hand-off box (its KV has chunk
+            # refs); False: it came back whole (in-band, or the max_tokens 1 path)
+            "prefill_posted": result.posted,
         }

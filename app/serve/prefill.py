@@ -206,7 +206,8 @@ async def all_in_transit(chunks: list[KVChunk]) -> list[StoredChunk]:
 
 def in_transit(chunk: KVChunk) -> StoredChunk:
     """A chunk for one reader (the decode replica), not cached. Up to `INLINE_BYTES` it
-    travels in-band, inside the result the hand-off box passes on: no object store put
+    travels in-band, inside the result (which the ingress then delivers to the decode call
+    itself, when no chunk has a ref; else the hand-off box passes it on): no object store put
     (~1 ms of this replica's CPU per request, ~9% of it at 8 streams in py-spy) and no
     fetch from its owner on the reader's side. Larger, it goes in the object store, owned
     by this process rather than a store shard (one Ray call less before the first token,

@@ -20,18 +20,27 @@ from serve.test_delta_channel import StepEngine
 
 
 class _Box:
-    """The hand-off box's client (app/kvstore/handoff.py HandOffs), in memory."""
+    """The hand-off box's client (app/kvstore/handoff.py HandOffs), in memory: what is
+    posted and not yet taken, and the keys posted, taken and discarded (in order)."""
 
     def __init__(self):
         self.posted: dict[str, object] = {}
+        self.posts: list[str] = []
+        self.takes: list[str] = []
+        self.discards: list[str] = []
 
     async def post(self, key: str, value: object) -> None:
+        self.posts.append(key)
         self.posted[key] = value
 
-    async def take(self, key: str) -> object:
+    async def take(self, key: str, within_s: float | None = None) -> object:
+        self.takes.append(key)
         while key not in self.posted:
             await asyncio.sleep(0.01)
         return self.posted.pop(key)
+
+    def discard(self, key: str) -> None:
+        self.discards.append(key)
 
 
 def _server(cls, engine: StepEngine, box: _Box | None = None):

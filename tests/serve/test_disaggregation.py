@@ -205,6 +205,7 @@ def test_both_calls_go_over_the_direct_channel_and_leave_nothing_in_the_box(url,
         got = complete(url, prompt)
         assert got["choices"][0]["text"] == want_text(offline, prompt)
         assert got["slimserve"]["choices"][0]["prefill_via"] == "direct"
+        assert got["slimserve"]["choices"][0]["prefill_posted"]  # its chunks have refs
     assert decode_direct_calls() - before == len(prompts)
     box = HandOffs("slimserve-kvstore")
     # Earlier tests' clients left at the first token: their decode calls' takes end within
@@ -212,6 +213,26 @@ def test_both_calls_go_over_the_direct_channel_and_leave_nothing_in_the_box(url,
     assert eventually(lambda: asyncio_run(box.stats())["waiting"] == 0, WAIT_S + 5)
     after = asyncio_run(box.stats())
     assert after["held"] == 0 and after["taken"] >= len(prompts), after
+
+
+def test_a_short_prompts_result_reaches_the_decode_call_from_the_ingress_not_the_box(url, offline):
+    """A prompt shorter than a chunk: its KV is one small partial chunk, in-band, so the
+    prefill's result comes back whole to the ingress, which delivers it to the decode
+    call; the hand-off box sees no post and no take. The texts match offline. Seen
+    failing (prefill_posted True, posted +4) with the prefill replica posting every
+    result."""
+    prompts = [prompt_ids(60 + i, n=20) for i in range(4)]  # chunk_tokens 32
+    box = HandOffs("slimserve-kvstore")
+    assert eventually(lambda: asyncio_run(box.stats())["waiting"] == 0, WAIT_S + 5)
+    before = asyncio_run(box.stats())
+    calls = decode_direct_calls()
+    for prompt in prompts:
+        got = complete(url, prompt)
+        assert got["choices"][0]["text"] == want_text(offline, prompt)
+        assert got["slimserve"]["choices"][0]["prefill_posted"] is False
+    after = asyncio_run(box.stats())
+    assert decode_direct_calls() - calls == len(prompts)
+    assert (after["posted"], after["taken"]) == (before["posted"], before["taken"]), after
 
 
 def test_decode_completes_after_the_prefill_replica_dies(url, store, offline):
