@@ -8,6 +8,7 @@ outputs after a forward pass; the runner sees only the plan, never a Sequence.
 from __future__ import annotations
 
 import logging
+import threading
 
 import torch
 
@@ -85,14 +86,17 @@ class Engine:
         )
         self.scheduler = Scheduler(config.scheduler, self.blocks)
         inline = self.tp_group is not None  # TP cache I/O is a collective: keep it in order
+        # Ends a step's idle wait: a KV transfer or grammar compile finished, or `wake`
+        self._idle = threading.Event()
         self.transfers = Transfers(
-            self.blocks, self.cache, self.chunk_format, self.device, inline=inline
+            self.blocks, self.cache, self.chunk_format, self.device, inline, self._idle
         )
         eos = eos_token_ids(
             config.model, self.model_config.eos_token_ids, self.tokenizer.eos_token_ids
         )
         self.outputs = OutputProcessor(self.model_config.max_position_embeddings, eos)
-        self.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size, eos)
+        vocab = self.model_config.vocab_size
+        self.structured = StructuredOutputs(self.tokenizer, vocab, eos, self._idle)
         self.speculator = make_speculator(self, ops) if spec is not None else None
         self.seqs: dict[str, list[Sequence]] = {}
         self._pending: list[RequestDelta] = []
@@ -199,8 +203,7 @@ class Engine:
     def wake(self) -> None:
         """Ends a step's idle wait now (any thread): a request or abort came for it, so a
         new prompt does not wait for another request's KV transfer or grammar compile."""
-        self.transfers.wake()
-        self.structured.wake()
+        self._idle.set()
 
     def has_unfinished(self) -> bool:
         return bool(self.seqs) or bool(self._pending) or self.transfers.busy

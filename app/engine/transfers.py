@@ -83,7 +83,13 @@ class Polled:
 
 class Transfers:
     def __init__(
-        self, blocks: BlockManager, cache: KVCache, fmt: ChunkFormat, device, inline: bool
+        self,
+        blocks: BlockManager,
+        cache: KVCache,
+        fmt: ChunkFormat,
+        device,
+        inline: bool,
+        idle: threading.Event | None = None,
     ):
         self.blocks, self.cache, self.fmt = blocks, cache, fmt
         self.inline = inline
@@ -92,7 +98,9 @@ class Transfers:
         self._jobs: dict[str, list] = {}  # request id -> jobs the worker has not finished
         self._todo: queue.SimpleQueue = queue.SimpleQueue()
         self._done: queue.SimpleQueue = queue.SimpleQueue()  # (job, result, error)
-        self._signal = threading.Event()
+        # A job finished, or the engine was woken: shared with the engine's other idle
+        # waits (`Engine.wake` sets it once for all).
+        self._signal = idle or threading.Event()
         self._thread: threading.Thread | None = None
         self._stream = None
         # GPU replicas hash chunk tags on a second thread beside the worker's copies (xxh3
@@ -173,16 +181,12 @@ class Transfers:
                     out.rejected.append((job.request_id, rejected))
 
     def wait(self, timeout: float) -> None:
-        """Idles until a job finishes, `wake` is called, or timeout: a step with nothing to
-        run. Cleared after the wait, so a signal given before it ends it at once (at worst
-        one spare step), never lost."""
+        """Idles until a job finishes, the engine is woken, or timeout: a step with nothing
+        to run. Cleared after the wait, so a signal given before it ends it at once (at
+        worst one spare step), never lost."""
         if self._done.empty():
             self._signal.wait(timeout)
         self._signal.clear()
-
-    def wake(self) -> None:
-        """Ends a `wait` now (any thread)."""
-        self._signal.set()
 
     def shutdown(self) -> None:
         thread, self._thread = self._thread, None

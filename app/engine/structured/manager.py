@@ -23,13 +23,19 @@ log = logging.getLogger(__name__)
 
 
 class StructuredOutputs:
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...]):
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        vocab_size: int,
+        stop_token_ids: tuple[int, ...],
+        idle: threading.Event | None = None,
+    ):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = stop_token_ids
         self._compiler: GrammarCompiler | None = None
         self._compiling: list = []  # sequences whose grammar was not compiled when added
-        self._signal = threading.Event()  # a compile finished, or `wake`
+        self._signal = idle or threading.Event()  # a compile finished, or the engine woken
 
     @property
     def compiler(self) -> GrammarCompiler:
@@ -64,15 +70,11 @@ class StructuredOutputs:
         return bool(self._compiling)
 
     def wait(self, timeout_s: float) -> None:
-        """Nothing can run but compiles are in flight: sleep until one finishes, `wake` is
-        called, or timeout (cleared after, as `Transfers.wait`)."""
+        """Nothing can run but compiles are in flight: sleep until one finishes, the engine
+        is woken, or timeout (cleared after, as `Transfers.wait`)."""
         if not any(seq.grammar.compiled for seq in self._compiling):
             self._signal.wait(timeout_s)
         self._signal.clear()
-
-    def wake(self) -> None:
-        """Ends a `wait` now (any thread)."""
-        self._signal.set()
 
     def mask(self, logits: torch.Tensor, seqs: list) -> None:
         """logits: [R, V], 1 + len(seq.spec_tokens) rows per sampled sequence in order;
