@@ -45,6 +45,11 @@ class StoredChunk:
     size: int
     token_ids: tuple[int, ...]
 
+    @property
+    def in_band(self) -> bool:
+        """Its bytes travel with it (no Ray ref): it may be pickled outside Ray."""
+        return isinstance(self.ref, np.ndarray)
+
 
 def _locked(method):
     @functools.wraps(method)

@@ -15,7 +15,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-import ray
 from ray.exceptions import RayError
 
 from app.kv.chunk import ChunkError, KVChunk
@@ -86,7 +85,7 @@ async def fetch_verified(
     if not stored:
         return result
     t0 = time.perf_counter()
-    bufs = await asyncio.gather(*(_get(s.ref, timeout_s) for s in stored), return_exceptions=True)
+    bufs = await asyncio.gather(*(_get(s, timeout_s) for s in stored), return_exceptions=True)
     result.fetch_s = time.perf_counter() - t0
     pos = 0
     for s, buf in zip(stored, bufs):
@@ -110,11 +109,11 @@ async def fetch_verified(
     return result
 
 
-async def _get(ref: ray.ObjectRef | np.ndarray, timeout_s: float):
-    if isinstance(ref, np.ndarray):  # handed over in-band (StoredChunk)
-        return ref
+async def _get(stored: StoredChunk, timeout_s: float):
+    if stored.in_band:
+        return stored.ref
     try:
-        return await asyncio.wait_for(ref, timeout_s)
+        return await asyncio.wait_for(stored.ref, timeout_s)
     except (RayError, asyncio.TimeoutError) as e:
         return e
 

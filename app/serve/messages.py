@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from app.engine.request import RequestDelta
 from app.engine.sampling_params import SamplingParams
 from app.kv.keys import chain_keys, make_salt
@@ -48,7 +46,7 @@ class PrefillResult:
     def in_band(self) -> bool:
         """Every chunk travels inside the result (its bytes, no Ray ref): it may be pickled
         outside Ray, e.g. over the direct call channel."""
-        return all(isinstance(c.ref, np.ndarray) for c in self.chunks)
+        return all(c.in_band for c in self.chunks)
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from app.engine.sampling_params import SamplingParams
+from app.kvstore.store import StoredChunk
 from app.serve.call_port import call_mail
 from app.serve.decode import DecodeServer
 from app.serve.delta_inbox import DeltaInbox
@@ -72,13 +73,13 @@ def test_a_value_delivered_to_a_running_call_reaches_its_mail_and_only_its_own()
 
 
 def test_a_result_with_any_chunk_ref_is_not_in_band():
-    ref = SimpleNamespace(key=b"s", ref="a Ray ref")  # a store hit's chunk
+    ref = StoredChunk(b"s", "a Ray ref", 0, 8, (5,))  # a store hit's chunk (a stand-in ref)
     assert not _result(False, [_in_band_chunk(), ref]).in_band
     assert _result(False, [_in_band_chunk()]).in_band and _result(False, []).in_band
 
 
-def _in_band_chunk() -> SimpleNamespace:
-    return SimpleNamespace(key=b"p", ref=np.zeros(8, np.uint8))
+def _in_band_chunk() -> StoredChunk:
+    return StoredChunk(b"p", np.zeros(8, np.uint8), 0, 8, (5, 6))
 
 
 def _result(posted: bool, chunks: list | None = None, first=None) -> PrefillResult:

@@ -13,6 +13,7 @@ import numpy as np
 
 from app.engine.request import RequestDelta
 from app.engine.sampling_params import SamplingParams
+from app.kvstore.store import StoredChunk
 from app.serve.delta_inbox import DeltaInbox
 from app.serve.delta_wire import head_id
 from app.serve.messages import GenerateRequest, HandOff
@@ -51,7 +52,7 @@ def test_prefill_to_gives_a_result_whose_kv_is_in_band_to_the_ingress_not_the_bo
     """A result whose chunks all travel in-band (their bytes, no Ray ref: a short prompt's
     partial chunk) comes back whole and is not posted: the ingress delivers it to the
     decode call. Seen failing (posted, chunks left out) with every result posted."""
-    in_band = SimpleNamespace(key=b"p", ref=np.zeros(8, np.uint8))
+    in_band = _chunk(b"p", np.zeros(8, np.uint8))
 
     async def main():
         inbox, call, _, release, _ = await _prefill_to_its_head(chunk=in_band)
@@ -235,10 +236,13 @@ def _publish_held(
     return server, release, published
 
 
-# Stand in for a published chunk's StoredChunk (its ``ref`` a Ray ref) and for one the
-# store had already
-PUBLISHED = SimpleNamespace(key=b"k", ref="a Ray ref")
-STORED = SimpleNamespace(key=b"s", ref="a Ray ref")
+def _chunk(key: bytes, ref) -> StoredChunk:
+    return StoredChunk(key, ref, tag=0, size=8, token_ids=(1, 2, 3))
+
+
+# A published chunk (its ``ref`` stands in for a Ray ref) and one the store had already
+PUBLISHED = _chunk(b"k", "a Ray ref")
+STORED = _chunk(b"s", "a Ray ref")
 
 
 async def _nothing_stored(reused: list | None = None):
