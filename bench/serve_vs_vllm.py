@@ -1,5 +1,8 @@
 """Served: slimserve's OpenAI API (`make serve` defaults: disaggregated; and colocated) vs
 vLLM's OpenAI server (the peer), side by side, with one client (bench/sse_client.py).
+`make serve`'s default prefills prompts under one KV chunk (these 64-token prompts) on the
+decode replica (conditional disaggregation); mode `disaggregated-always` sends every prompt
+through the prefill replica (`--local-prefill-max-tokens 0`), measuring the hand-off path.
 
 Workload: streaming /v1/completions, 64-token prompts of random ids (fresh per run), 64 new
 tokens, ignore_eos, temperature 0, closed loop at 1/8/32 concurrent streams. Each server
@@ -97,7 +100,10 @@ def start_ours(model: str | None, mode: str, config: str | None = None) -> Serve
     cmd = [sys.executable, "-m", "app.cli", "serve", "--port", str(OUR_PORT), "--grpc-port", "0"]
     cmd += ["--model", model] if model else []
     cmd += ["--config", config] if config else []
-    cmd += ["--mode", mode]
+    if mode == "disaggregated-always":  # every prompt through a prefill replica
+        cmd += ["--mode", "disaggregated", "--local-prefill-max-tokens", "0"]
+    else:
+        cmd += ["--mode", mode]
     env = {"PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     return Server(f"slimserve-{mode}", cmd, OUR_PORT, env)
 
@@ -150,7 +156,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--model", default=None, help="default: the embedded default model")
     ap.add_argument("--levels", default="1,8,32")
     ap.add_argument("--runs", type=int, default=2, help="runs per server and level")
-    ap.add_argument("--modes", default="disaggregated,colocated")
+    ap.add_argument("--modes", default="disaggregated,disaggregated-always,colocated")
     ap.add_argument("--requests-per-stream", type=int, default=4)
     ap.add_argument("--min-requests", type=int, default=16)
     ap.add_argument("--limit-s", type=float, default=300.0, help="bound on one level's run")
@@ -214,7 +220,8 @@ def publish(results: dict, model_path: str, args) -> dict:
 def markdown(result: dict) -> str:
     """The docs/performance.md table of a result: per level, each server's median run."""
     t = result["summary"]
-    names = [n for n in ("slimserve-disaggregated", "slimserve-colocated", "vllm") if n in t]
+    ours = ("disaggregated", "disaggregated-always", "colocated")
+    names = [n for n in [f"slimserve-{m}" for m in ours] + ["vllm"] if n in t]
     head = " | ".join(f"{n} tok/s, TTFT p50 / p99, ITL p50 (ms)" for n in names)
     lines = [f"| streams | {head} |", "|---:|" + "---:|" * len(names)]
     for c in t[names[0]]:

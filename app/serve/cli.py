@@ -25,6 +25,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=["disaggregated", "colocated"])
     p.add_argument("--num-prefill-replicas", type=int)
     p.add_argument("--num-decode-replicas", type=int)
+    p.add_argument(
+        "--local-prefill-max-tokens",
+        type=int,
+        help="disaggregated: prompts of at most this many tokens prefill on their decode "
+        "replica (default: those under one KV chunk; 0: none)",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=9000, help="gRPC API port (0: no gRPC)")
@@ -54,7 +60,7 @@ def serve_args(args: argparse.Namespace) -> dict:
     if args.model:
         engine["model"] = args.model
     cfg["engine"] = engine
-    for name in ("mode", "num_prefill_replicas", "num_decode_replicas"):
+    for name in ("mode", "num_prefill_replicas", "num_decode_replicas", "local_prefill_max_tokens"):
         if getattr(args, name) is not None:
             cfg[name] = getattr(args, name)
     return cfg

@@ -84,6 +84,12 @@ class ServeArgs(BaseModel):
     num_prefill_replicas: int = Field(default=1, ge=1)
     num_decode_replicas: int = Field(default=1, ge=1)
     num_engine_replicas: int = Field(default=1, ge=1)  # colocated mode
+    # Disaggregated: a prompt of at most this many tokens prefills on its decode replica
+    # (conditional disaggregation, as NVIDIA Dynamo's): it fills no KV chunk, so the store
+    # has nothing of it to reuse or share, and its hand-off costs more than its prefill.
+    # None: every prompt shorter than one chunk (engine.chunk_tokens - 1); 0: every prompt
+    # goes through a prefill replica. A prefill routing hint also sends it there.
+    local_prefill_max_tokens: int | None = Field(default=None, ge=0)
     replica_num_cpus: float = Field(default=0.0, ge=0)
     replica_num_gpus: float = Field(default=0.0, ge=0)
     # Backpressure: beyond these, requests get HTTP 429 with Retry-After.
@@ -131,3 +137,21 @@ class ServeArgs(BaseModel):
         if self.max_queued_requests == 0:
             raise ValueError("max_queued_requests must be -1 (no limit) or positive")
         return self
+
+    @model_validator(mode="after")
+    def _local_prefill_below_a_chunk(self) -> ServeArgs:
+        limit, chunk = self.local_prefill_max_tokens, self.engine.chunk_tokens
+        if limit is not None and limit >= chunk:
+            raise ValueError(
+                f"local_prefill_max_tokens ({limit}) must be below engine.chunk_tokens "
+                f"({chunk}): a prompt that fills a KV chunk prefills on a prefill replica, "
+                "which shares the chunk through the store"
+            )
+        return self
+
+    @property
+    def local_prefill_tokens(self) -> int:
+        """The longest prompt (tokens) that prefills on its decode replica; 0: none."""
+        if self.local_prefill_max_tokens is None:
+            return self.engine.chunk_tokens - 1
+        return self.local_prefill_max_tokens

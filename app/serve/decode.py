@@ -1,4 +1,6 @@
-"""DecodeServer: fetch the prompt's KV (verified), continue from the first token, stream."""
+"""DecodeServer: fetch the prompt's KV (verified), continue from the first token, stream.
+A short prompt's choice may come without a prefill (`DecodeRequest.prefill` None): this
+replica then prefills it too, as a colocated engine does (ServeArgs.local_prefill_max_tokens)."""
 
 from __future__ import annotations
 
@@ -38,9 +40,10 @@ class DecodeServer(EngineReplica):
         try:
             request = await self._request(req)
             deltas = self._drop_rejected(self.host.async_engine.generate(request))
-            # timed: inter-token latency on this replica (the first token came from prefill)
+            # timed: inter-token latency on this replica (and TTFT when it prefilled)
+            after_first = req.prefill is not None  # the first token came from prefill
             metrics = self.host.metrics
-            timed = metrics.timed(deltas, len(prompt), count=False, after_first_token=True)
+            timed = metrics.timed(deltas, len(prompt), count=False, after_first_token=after_first)
             # Closed explicitly (see EngineServer.generate): a cancel aborts at once.
             async with contextlib.aclosing(coalesce(timed, self.args.stream_interval_s)) as s:
                 async for delta in s:
@@ -62,11 +65,13 @@ class DecodeServer(EngineReplica):
         call then)."""
         prompt = req.request.prompt_token_ids
         link = await self.outbox.link(reply_to)
-        prefill = await self._prefill_result(req)
-        if prefill.first.finish_reason in DONE_REASONS:
-            return StreamSummary(req.request.request_id, 0)
-        req = dataclasses.replace(req, prefill=prefill)
-        timer = RequestTimer(self.host.metrics, len(prompt), count=False, after_first=True)
+        if req.prefill is not None:
+            prefill = await self._prefill_result(req)
+            if prefill.first.finish_reason in DONE_REASONS:
+                return StreamSummary(req.request.request_id, 0)
+            req = dataclasses.replace(req, prefill=prefill)
+        after_first = req.prefill is not None  # else the first token is made here
+        timer = RequestTimer(self.host.metrics, len(prompt), count=False, after_first=after_first)
         drops: list[asyncio.Task] = []  # store drops of chunks the import rejected
         tokens, completed = 0, False
 
@@ -111,10 +116,16 @@ class DecodeServer(EngineReplica):
         assert self.hand_offs is not None, "a decode replica uses the store"
         return await self.hand_offs.take(req.prefill.key, max(0.0, deadline - loop.time()))
 
-    async def _request(self, req: DecodeRequest) -> Request:  # req.prefill: a PrefillResult
-        """The engine request continuing after prefill's first token, with the prompt's KV."""
-        gen, first = req.request, req.prefill.first
+    async def _request(self, req: DecodeRequest) -> Request:  # req.prefill: not a HandOff
+        """The engine request continuing after prefill's first token, with the prompt's KV;
+        without a prefill, the whole choice (its prompt prefilled here)."""
+        gen = req.request
         prompt = gen.prompt_token_ids
+        if req.prefill is None:
+            self.host.metrics.inc("slimserve:local_prefills", 1)
+            params = dataclasses.replace(gen.params, n=1)
+            return Request(gen.request_id, prompt, params, cache_salt=gen.cache_salt)
+        first = req.prefill.first
         # The tags are checked by the engine's import, in the same pass as its cache
         # write (app/engine/kv_transfer.py); what it rejects is dropped after.
         fetched = await self.host.fetch(req.prefill.chunks, prompt, verify_tag=False)

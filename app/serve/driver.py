@@ -1,14 +1,15 @@
 """Drives one normalised request through the engine replicas; shared by both API adapters.
 
 Colocated: one `EngineServer` call per choice. Disaggregated: `prefill` (first token + the
-prompt's KV as store chunks), then one `DecodeServer` call for the rest. With the delta
-channel (`delta_channel: socket`, an inbox given) that call is the unary, long-lived
-`generate_to`, whose deltas arrive through the ingress's `DeltaInbox`, and the prefill's
-result reaches it from this ingress or through the store's hand-off box
-(app/serve/result_hand_over.py); otherwise it is the Serve stream
-`generate`. With the direct call channel (`direct` callers given) these unary calls go over
-the replicas' call ports, else through Serve handles. Cancelling a choice cancels the
-replica call, whose engine aborts the request and frees its KV blocks at once.
+prompt's KV as store chunks), then one `DecodeServer` call for the rest; a short prompt
+(`local_prefill_tokens`) gets only the `DecodeServer` call, whose replica prefills it.
+With the delta channel (`delta_channel: socket`, an inbox given) that call is the unary,
+long-lived `generate_to`, whose deltas arrive through the ingress's `DeltaInbox`, and the
+prefill's result reaches it from this ingress or through the store's hand-off box
+(app/serve/result_hand_over.py); otherwise it is the Serve stream `generate`. With the
+direct call channel (`direct` callers given) these unary calls go over the replicas' call
+ports, else through Serve handles. Cancelling a choice cancels the replica call, whose
+engine aborts the request and frees its KV blocks at once.
 """
 
 from __future__ import annotations
@@ -152,6 +153,7 @@ class RequestDriver:
         inbox: DeltaInbox | None = None,
         direct: dict[str, DirectCaller] | None = None,
         hand_offs: HandOffs | None = None,
+        local_prefill_tokens: int = 0,
     ):
         assert (engine is None) != (prefill is None and decode is None), "one mode"
         assert not direct or inbox is not None, "direct calls send their deltas to an inbox"
@@ -166,6 +168,9 @@ class RequestDriver:
         # ingress posts a prefill's result for a decode call placed through Serve, and drops
         # one whose decode call will not take it; None: neither is needed.
         self.hand_offs = hand_offs
+        # Disaggregated: a prompt of at most this many tokens prefills on its decode replica
+        # (ServeArgs.local_prefill_max_tokens); 0: none does
+        self.local_prefill_tokens = local_prefill_tokens
         self._info: EngineInfo | None = None
         self.placement: dict[str, dict[str, Any]] = {}  # engine request id -> where it ran
 
@@ -217,27 +222,54 @@ class RequestDriver:
     async def _choice_deltas(
         self, gen: GenerateRequest, admission: AdmissionTicket
     ) -> AsyncIterator[RequestDelta]:
-        if self.engine is not None and self.inbox is not None:
+        if self.engine is not None:
+            deltas = self._one_call("engine", gen, gen, admission)
+        elif self._prefills_locally(gen):
+            self._record_local(gen)
+            deltas = self._one_call("decode", gen, DecodeRequest(gen, None, gen.routing), admission)
+        elif self.inbox is not None and gen.params.max_tokens > 1:
+            deltas = self._decode_during_prefill(gen, admission)
+        else:
+            deltas = self._prefill_then_decode(gen, admission)
+        async with contextlib.aclosing(deltas):  # closing us cancels the calls at once
+            async for delta in deltas:
+                yield delta
+
+    def _prefills_locally(self, gen: GenerateRequest) -> bool:
+        """A short prompt prefills on its decode replica: it fills no KV chunk (nothing for
+        the store), so a prefill replica would add only the hand-off. A routing hint names
+        a prefill replica: the prompt goes there."""
+        short = len(gen.prompt_token_ids) <= self.local_prefill_tokens
+        return short and gen.routing.hint is None
+
+    async def _one_call(
+        self,
+        deployment: str,
+        gen: GenerateRequest,
+        message: GenerateRequest | DecodeRequest,
+        admission: AdmissionTicket,
+    ) -> AsyncIterator[RequestDelta]:
+        """A choice run whole by one call of ``deployment`` (the colocated engine, or a
+        decode replica that prefills the prompt itself)."""
+        if self.inbox is not None:
             start = lambda reply_to: self._place(  # noqa: E731
-                "engine", "generate_to", gen.routing, (gen, reply_to)
+                deployment, "generate_to", gen.routing, (message, reply_to)
             )
             deltas = _inbox_deltas(self.inbox, gen.request_id, start, admission)
             async with contextlib.aclosing(deltas):  # closing us cancels the call at once
                 async for delta in deltas:
                     yield delta
             return
-        if self.engine is not None:
-            response = self.engine.options(stream=True).generate.remote(gen)
-            async for delta in _stream(response):
-                admission.admit()  # the engine took it (its refusal would come first)
-                yield delta
-            return
-        if self.inbox is not None and gen.params.max_tokens > 1:
-            deltas = self._decode_during_prefill(gen, admission)
-            async with contextlib.aclosing(deltas):
-                async for delta in deltas:
-                    yield delta
-            return
+        handle = getattr(self, deployment)
+        async for delta in _stream(handle.options(stream=True).generate.remote(message)):
+            admission.admit()  # the engine took it (its refusal would come first)
+            yield delta
+
+    async def _prefill_then_decode(
+        self, gen: GenerateRequest, admission: AdmissionTicket
+    ) -> AsyncIterator[RequestDelta]:
+        """Disaggregated, one call after the other: the prefill, then (unless its token
+        ended the choice) the decode call with its result, streamed through Serve."""
         response = self.prefill.prefill.remote(gen)
         try:
             result = await response
@@ -354,11 +386,7 @@ class RequestDriver:
 
     def _record(self, gen: GenerateRequest, result, via: str = "serve") -> None:
         """Where the choice's prefill ran (``via``: over the direct call channel or Serve)."""
-        if not self.record_placement:
-            return
-        if len(self.placement) > _PLACEMENTS:
-            self.placement.pop(next(iter(self.placement)))
-        self.placement[gen.request_id] = {
+        self._note(gen, {
             "prefill_replica": result.replica,
             "store_tokens": result.num_store_tokens,
             "store_failures": result.store_failures,
@@ -366,4 +394,18 @@ class RequestDriver:
             # the prefill replica posted its result to the hand-off box (its KV has chunk
             # refs); False: it came back whole (in-band, or the max_tokens 1 path)
             "prefill_posted": result.posted,
-        }
+        })  # fmt: skip
+
+    def _record_local(self, gen: GenerateRequest) -> None:
+        """The choice's prompt prefills on its decode replica (no prefill replica)."""
+        self._note(gen, {
+            "prefill_replica": None, "store_tokens": 0, "store_failures": 0,
+            "prefill_via": "local", "prefill_posted": False,
+        })  # fmt: skip
+
+    def _note(self, gen: GenerateRequest, where: dict[str, Any]) -> None:
+        if not self.record_placement:
+            return
+        if len(self.placement) > _PLACEMENTS:
+            self.placement.pop(next(iter(self.placement)))
+        self.placement[gen.request_id] = where

@@ -78,9 +78,10 @@ class Ingress(GrpcIngress):  # gRPC adapter: app/serve/grpc_servicer.py
         # disaggregated: prefill results for decode calls placed through Serve, and those
         # the decode calls of ended choices will not take
         hand_offs = HandOffs(self.args.store_name) if prefill is not None else None
+        local = self.args.local_prefill_tokens if prefill is not None else 0
         self.driver = RequestDriver(
             metrics, prefill, decode, engine, hints, inbox=inbox, direct=direct,
-            hand_offs=hand_offs,
+            hand_offs=hand_offs, local_prefill_tokens=local,
         )  # fmt: skip
         self.normalizer = RequestNormalizer(
             self.args, self.model_name, self.tokenizer, self.driver.describe

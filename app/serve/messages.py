@@ -62,7 +62,9 @@ class HandOff:
 @dataclass(frozen=True, slots=True)
 class DecodeRequest:
     request: GenerateRequest
-    prefill: PrefillResult | HandOff  # the result, or where the decode replica takes it
+    # The prefill's result, or where the decode replica takes it; None: the decode replica
+    # prefills the prompt itself (a short prompt: ServeArgs.local_prefill_max_tokens)
+    prefill: PrefillResult | HandOff | None
     routing: RoutingInfo = field(default_factory=lambda: RoutingInfo(0))
 
 

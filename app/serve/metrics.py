@@ -73,6 +73,9 @@ SPECS: dict[str, MetricSpec] = {
         "counter", "KV chunks dropped after a failed check (reason=integrity|fetch).", ("reason",)
     ),
     "slimserve:preemptions": MetricSpec("counter", "Sequences preempted for lack of KV blocks."),
+    "slimserve:local_prefills": MetricSpec(
+        "counter", "Choices prefilled on their decode replica (a prompt under one KV chunk)."
+    ),
     # Speculative decoding (vLLM's spec_decode names): acceptance rate = accepted / draft
     # tokens; mean accepted length (tokens per target forward) = 1 + accepted / drafts.
     "slimserve:spec_decode_num_drafts": MetricSpec(

@@ -102,7 +102,7 @@ def test_metrics_endpoint_shows_every_metric_with_sane_values(ray_session, check
     budget = 8 * kv_block_bytes(model)
     engine = {"dtype": "float32", "kv_cache_memory_bytes": budget, "speculative_config": NGRAM}
     args = tiny_serve_args(model, engine=engine, store_name=STORE)
-    usage = {"prompt_tokens": 0, "completion_tokens": 0, "choices": 0}
+    usage = {"prompt_tokens": 0, "completion_tokens": 0, "choices": 0, "local": 0}
 
     def complete(url, prompt, max_tokens):
         body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
@@ -126,7 +126,9 @@ def test_metrics_endpoint_shows_every_metric_with_sane_values(ray_session, check
         corrupt_first_chunk(long_prompt)
         complete(url, other, 4)
         complete(url, long_prompt, 4)  # integrity failure, recomputed
+        # Under one 32-token chunk: prefilled on the decode replica (local_prefill_max_tokens)
         short = [[int(t) for t in rng.integers(3, 300, 20)] for _ in range(3)]
+        usage["local"] = len(short)
         with concurrent.futures.ThreadPoolExecutor(3) as pool:
             list(pool.map(lambda p: complete(url, p, 60), short))  # decode KV runs out
         samples = wait_for_all(port, usage, baseline)
@@ -159,8 +161,13 @@ def caught_up(samples, usage: dict) -> bool:
         total(samples, "ray_slimserve_prompt_tokens_total", **ingress) >= usage["prompt_tokens"]
         and total(samples, "ray_slimserve_time_to_first_token_seconds_count", **ingress) >= n
         and total(samples, "ray_slimserve_e2e_request_latency_seconds_count", **ingress) >= n
-        and total(samples, "ray_slimserve_time_to_first_token_seconds_count", role="prefill") >= n
+        and first_tokens(samples, "prefill") >= n - usage["local"]
+        and first_tokens(samples, "decode") >= usage["local"]
     )
+
+
+def first_tokens(samples, role: str) -> float:
+    return total(samples, "ray_slimserve_time_to_first_token_seconds_count", role=role)
 
 
 def check(samples, usage) -> None:
@@ -178,7 +185,10 @@ def check(samples, usage) -> None:
         assert total(samples, f"ray_slimserve_{name}_sum", **ingress) > 0, name
     itl = total(samples, "ray_slimserve_inter_token_latency_seconds_count", **ingress)
     assert itl == gen - n  # every token after a choice's first is one gap
-    assert total(samples, "ray_slimserve_time_to_first_token_seconds_count", role="prefill") == n
+    # A short prompt's first token is made on its decode replica, the others' on prefill
+    assert first_tokens(samples, "prefill") == n - usage["local"]
+    assert first_tokens(samples, "decode") == usage["local"]
+    assert total(samples, "ray_slimserve_local_prefills_total", role="decode") == usage["local"]
     assert total(samples, "ray_slimserve_inter_token_latency_seconds_count", role="decode") > 0
     for labels in series(samples, "ray_slimserve_kv_cache_usage_perc"):
         value = total(samples, "ray_slimserve_kv_cache_usage_perc", **labels)

@@ -35,11 +35,23 @@ def test_local_yaml_args_validate():
         {"engine": {"kv_cache_memory_bytes": -1}},
         {"engine": {"torch_threads": 0}},
         {"engine": {"threaded_step_min_tokens": 0}},
+        {"local_prefill_max_tokens": -1},
     ],
 )
 def test_bad_serve_args_are_rejected(bad):
     with pytest.raises(pydantic.ValidationError):
         ServeArgs(**bad)
+
+
+def test_short_prompts_prefill_locally_below_one_chunk():
+    """Conditional disaggregation's limit: by default every prompt shorter than one KV
+    chunk; 0 turns it off; a limit that reaches a chunk is refused, naming both fields
+    (such a prompt has a chunk for the store, which only a prefill replica publishes)."""
+    assert ServeArgs(engine={"chunk_tokens": 64, "block_size": 16}).local_prefill_tokens == 63
+    assert ServeArgs(local_prefill_max_tokens=0).local_prefill_tokens == 0
+    assert ServeArgs(local_prefill_max_tokens=100).local_prefill_tokens == 100
+    with pytest.raises(pydantic.ValidationError, match="local_prefill_max_tokens.*chunk_tokens"):
+        ServeArgs(local_prefill_max_tokens=256)
 
 
 def test_cli_flags_override_the_config_file():
@@ -50,6 +62,7 @@ def test_cli_flags_override_the_config_file():
         mode="colocated",
         num_prefill_replicas=None,
         num_decode_replicas=3,
+        local_prefill_max_tokens=None,
     )
     cfg = ServeArgs(**serve_args(ns))
     assert cfg.engine.model == "/models/x" and cfg.engine.kv_cache_dtype == "bf16"

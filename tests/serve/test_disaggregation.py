@@ -1,6 +1,7 @@
 """Disaggregated serving: store hits across prefill replicas, corruption, replica death,
 client disconnects. Two prefill replicas, one decode replica, one store shard."""
 
+import json
 import time
 
 import httpx
@@ -36,7 +37,11 @@ def offline(model):
 
 @pytest.fixture(scope="module")
 def url(ray_session, model):
-    args = tiny_serve_args(model, num_prefill_replicas=2, engine={"dtype": "float32"})
+    # Prompts of at most 16 tokens prefill on the decode replica (conditional
+    # disaggregation); the other tests' prompts are longer, through a prefill replica.
+    args = tiny_serve_args(
+        model, num_prefill_replicas=2, local_prefill_max_tokens=16, engine={"dtype": "float32"}
+    )
     with running_app(ray_session, args) as u:
         yield u
 
@@ -235,6 +240,42 @@ def test_a_short_prompts_result_reaches_the_decode_call_from_the_ingress_not_the
     assert (after["posted"], after["taken"]) == (before["posted"], before["taken"]), after
 
 
+def streamed_text(url, prompt, **extra) -> str:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "stream": True, **extra}
+    text = ""
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                text += json.loads(line.removeprefix("data: "))["choices"][0]["text"]
+    return text
+
+
+def test_a_prompt_under_the_local_limit_prefills_on_its_decode_replica(url, offline):
+    """Conditional disaggregation: a prompt of at most `local_prefill_max_tokens` tokens
+    (16 here) goes to one decode call, whose replica prefills it: no prefill replica, no
+    hand-off (the box sees no post or take). Its text, unary and streamed, matches offline;
+    a seeded sampled choice draws the same tokens prefilled locally and through a prefill
+    replica (named by a routing hint), the noise being keyed by (seed, position). Seen
+    failing (prefill_via "direct") with the ingress's limit at 0."""
+    prompts = [prompt_ids(80 + i, n=16 - i) for i in range(3)]
+    box = HandOffs("slimserve-kvstore")
+    assert eventually(lambda: asyncio_run(box.stats())["waiting"] == 0, WAIT_S + 5)
+    before, calls = asyncio_run(box.stats()), decode_direct_calls()
+    for prompt in prompts:
+        got = complete(url, prompt)
+        assert got["choices"][0]["text"] == want_text(offline, prompt)
+        assert got["slimserve"]["choices"][0]["prefill_via"] == "local"
+        assert streamed_text(url, prompt, temperature=0) == want_text(offline, prompt)
+    after = asyncio_run(box.stats())
+    assert decode_direct_calls() - calls == 2 * len(prompts)
+    assert (after["posted"], after["taken"]) == (before["posted"], before["taken"]), after
+    sampled = {"temperature": 1.0, "seed": 11, "max_tokens": 12}
+    local = complete(url, prompts[0], **sampled)
+    remote = complete(url, prompts[0], replica=1, **sampled)
+    assert remote["slimserve"]["choices"][0]["prefill_via"] != "local"
+    assert local["choices"][0]["text"] == remote["choices"][0]["text"]
+
+
 def test_decode_completes_after_the_prefill_replica_dies(url, store, offline):
     prompt = prompt_ids(20, n=90)  # chunks of 32 + 32 + 26 (the last one travels uncached)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
@@ -264,11 +305,12 @@ def test_decode_completes_after_the_prefill_replica_dies(url, store, offline):
     assert deltas[0].num_cached_tokens == 80
 
 
-def test_client_disconnect_frees_decode_blocks(url):
+@pytest.mark.parametrize("n", [40, 12], ids=["prefilled", "local"])
+def test_client_disconnect_frees_decode_blocks(url, n):
     decode = serve.get_deployment_handle("DecodeServer", "slimserve")
     body = {
         "model": "tiny",
-        "prompt": prompt_ids(30, n=40),
+        "prompt": prompt_ids(30, n=n),
         "max_tokens": 400,
         "ignore_eos": True,
         "stream": True,

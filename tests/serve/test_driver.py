@@ -9,7 +9,7 @@ import asyncio
 from app.engine.request import RequestDelta
 from app.engine.sampling_params import SamplingParams
 from app.serve.driver import RequestDriver
-from app.serve.messages import PrefillResult
+from app.serve.messages import DecodeRequest, PrefillResult
 from app.serve.metrics import ReplicaMetrics
 from app.serve.normalize import NormalizedRequest
 
@@ -45,9 +45,11 @@ class _Stream:
 class _Method:
     def __init__(self, calls: list[str], name: str, answer):
         self.calls, self.name, self.answer = calls, name, answer
+        self.args: tuple = ()  # the latest call's
 
     def remote(self, *args):
         self.calls.append(self.name)
+        self.args = args
         if isinstance(self.answer, list):
             return _Stream(self.answer)
 
@@ -89,8 +91,10 @@ def test_warm_up_reaches_every_deployment_before_the_first_request():
         assert driver._info is not None and driver._info.block_size == 16
 
 
-def _collect(driver: RequestDriver) -> list[RequestDelta]:
-    req = NormalizedRequest("r", "e", "text_completion", [5, 6, 7], SamplingParams(max_tokens=4))
+def _collect(driver: RequestDriver, hints: dict[str, int] | None = None) -> list[RequestDelta]:
+    req = NormalizedRequest(
+        "r", "e", "text_completion", [5, 6, 7], SamplingParams(max_tokens=4), hints=hints or {}
+    )
 
     async def go():
         stream = await driver.start(req)
@@ -127,3 +131,36 @@ def test_the_text_is_the_engines_text():
     got = _collect(RequestDriver(ReplicaMetrics("ingress", "test-driver"), engine=engine))
     assert "".join(d.text_delta for d in got) == "Hello"
     assert got[-1].finish_reason == "stop"
+
+
+def test_a_short_prompt_prefills_on_its_decode_replica():
+    """Conditional disaggregation: a prompt of at most `local_prefill_tokens` tokens gets one
+    decode call whose message has no prefill (that replica prefills it), and no prefill
+    call; a longer prompt, or one whose routing hint names a prefill replica, goes through
+    the prefill replica first. Seen failing with `_prefills_locally` always False, and with
+    its length check `<` (the 3-token prompt at a limit of 3 went through prefill)."""
+    rest = [delta([40], "He"), delta([41], "l"), delta([42, 2], "lo", finished=True, reason="stop")]
+    first = delta([40], "He", finished=True)
+
+    def run(limit: int, hints: dict[str, int] | None = None):
+        calls: list[str] = []
+        decode = FakeHandle(calls, "decode", generate=rest)
+        driver = RequestDriver(
+            ReplicaMetrics("ingress", "test-driver"),
+            prefill=FakeHandle(calls, "prefill", prefill=PrefillResult("e-0", first, [], "p-0")),
+            decode=decode,
+            record_placement=True,
+            local_prefill_tokens=limit,
+        )
+        text = "".join(d.text_delta for d in _collect(driver, hints))
+        return calls[1:], decode.generate.args[0], driver.placement.get("e-0"), text
+
+    calls, message, where, text = run(limit=3)
+    assert calls == ["decode.generate"] and text == "Hello"
+    assert isinstance(message, DecodeRequest) and message.prefill is None
+    assert message.request.prompt_token_ids == [5, 6, 7]
+    assert where["prefill_via"] == "local" and where["prefill_replica"] is None
+    for limit, hints in ((2, None), (0, None), (3, {"prefill": 0})):
+        calls, message, where, _ = run(limit, hints)
+        assert calls == ["prefill.prefill", "decode.generate"], (limit, hints)
+        assert isinstance(message.prefill, PrefillResult) and where["prefill_replica"] == "p-0"

@@ -55,7 +55,10 @@ def test_offline_colocated_and_disaggregated_sample_the_same_tokens(ray_session,
     test_handoff_from_another_replica_continues_the_same_tokens, which fails then."""
     want = _offline(tiny_model)
     engine = {"dtype": "float32"}
-    with running_app(ray_session, tiny_serve_args(tiny_model, engine=engine)) as url:
+    # Every prompt through the prefill replica, which samples the first token (a prompt
+    # prefilled on its decode replica: tests/serve/test_disaggregation.py)
+    args = tiny_serve_args(tiny_model, local_prefill_max_tokens=0, engine=engine)
+    with running_app(ray_session, args) as url:
         disaggregated = _served(url)
         unseeded = {"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "temperature": 1.0}
         assert httpx.post(url + "/v1/completions", json=unseeded, timeout=120).status_code == 200
