@@ -74,7 +74,7 @@ SPECS: dict[str, MetricSpec] = {
     ),
     "slimserve:preemptions": MetricSpec("counter", "Sequences preempted for lack of KV blocks."),
     "slimserve:local_prefills": MetricSpec(
-        "counter", "Choices prefilled on their decode replica (a prompt under one KV chunk)."
+        "counter", "Choices given to their decode replica to prefill (a prompt under a KV chunk)."
     ),
     # Speculative decoding (vLLM's spec_decode names): acceptance rate = accepted / draft
     # tokens; mean accepted length (tokens per target forward) = 1 + accepted / drafts.

@@ -40,6 +40,7 @@ def served(ray_session, checkpoint_factory):
         engine={"dtype": "float32"},
         num_prefill_replicas=2,
         num_decode_replicas=1,
+        local_prefill_max_tokens=0,  # every prompt through prefill, then decode admission
         max_ongoing_requests=1,
         max_queued_requests=1,
         retry_after_s=3,

@@ -70,7 +70,10 @@ def test_decode_replica_speculates_and_output_equals_plain_decoding(ray_session,
     texts still matched."""
     want = _offline(llama_path)
     engine = {"dtype": "float32", "speculative_config": NGRAM}
-    with running_app(ray_session, tiny_serve_args(llama_path, engine=engine), APP) as url:
+    # Every prompt through the prefill replica: the decode replica speculates from the
+    # prefill's first token (a short prompt prefilled locally runs as colocated does)
+    args = tiny_serve_args(llama_path, local_prefill_max_tokens=0, engine=engine)
+    with running_app(ray_session, args, APP) as url:
         _same(_served(url), want)
         decode, prefill = _stats("DecodeServer"), _stats("PrefillServer")
     assert 0 < decode["spec_accepted_tokens"] < decode["spec_proposed_tokens"]

@@ -31,6 +31,10 @@ def client(request, ray_session):
     args = tiny_serve_args(
         default_model_path(),
         mode=request.param,
+        # disaggregated: every prompt through the prefill replica, so the decode replica's
+        # grammar replays the prefill's first token (a short prompt prefilled on its decode
+        # replica runs as colocated does)
+        local_prefill_max_tokens=0,
         engine={"dtype": "float32", "kv_cache_memory_bytes": 24 << 20},
     )
     with running_app(ray_session, args) as url:

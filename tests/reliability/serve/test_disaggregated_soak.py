@@ -4,8 +4,10 @@ store under a small byte budget), `-m long` only.
 The colocated soak (test_colocated.py) has no store; this one checks the store's budget
 under the same mix: HTTP and gRPC streams, HTTP streams dropped after 1-3 events, gRPC
 deadlines (also sent as `timeout_s`, see the open defect in docs/reliability.md), n = 2 and
-380-token prompts. Prompts share prefixes so the store is hit; each long prompt ends in fresh
-tokens, so the store keeps filling and must evict to stay in budget.
+380-token prompts; a third of the mix's prompts are shorter than one chunk, so their decode
+replica prefills them (conditional disaggregation), the rest go through a prefill replica.
+Prompts share prefixes so the store is hit; each long prompt ends in fresh tokens, so the
+store keeps filling and must evict to stay in budget.
 
 Request count: SLIMSERVE_SOAK_REQUESTS (default 2,000, as issue 13 asks; fewer on a busy machine:
 `SLIMSERVE_SOAK_REQUESTS=300 pytest -m long tests/reliability/serve/test_disaggregated_soak.py`).
@@ -88,6 +90,8 @@ def test_disaggregated_soak_keeps_store_in_budget_and_frees_blocks(app, long_mod
     KVStore.put counting half of each chunk's size (an accounting bug the store's own number
     hides: it reported 62,775 of 65,536), the summed objects (134,866) failed the check."""
     batch = shared_prefix_prompts(8, prefix=64, suffix=40, seed=13)
+    # Under one chunk: prefilled on the decode replica (local_prefill_max_tokens' default)
+    batch += shared_prefix_prompts(4, prefix=8, suffix=12, seed=15)
     wants = offline_texts(long_model, batch, TOKENS)
     long_head = shared_prefix_prompts(1, prefix=256, suffix=0, seed=14)[0]
 
