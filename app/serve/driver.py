@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from ray.serve.exceptions import BackPressureError
@@ -25,6 +25,7 @@ from ray.serve.handle import DeploymentHandle
 
 from app.engine.request import RequestDelta
 from app.kvstore.handoff import HandOffs
+from app.serve.call_deltas import inbox_deltas, serve_stream
 from app.serve.delta_inbox import DeltaInbox, DeltaQueue
 from app.serve.delta_wire import ReplyTo, head_id
 from app.serve.direct_calls import DirectCaller, assigned
@@ -41,21 +42,6 @@ from app.serve.responses import (
 from app.serve.result_hand_over import hand_over, nothing_in_the_box
 
 _PLACEMENTS = 1024  # placements kept for the debug view; streams never collect theirs
-# A replica's generate_to returns after its final delta was written to the socket; the
-# frame normally lands first. Past this wait after the return, the choice fails (503).
-FINAL_DELTA_WAIT_S = 10.0
-
-
-async def _stream(response) -> AsyncIterator[Any]:
-    """Iterate a streaming DeploymentResponseGenerator; cancel it if we stop early."""
-    done = False
-    try:
-        async for item in response:
-            yield item
-        done = True
-    finally:
-        if not done:
-            response.cancel()
 
 
 async def _refused_on_error(
@@ -72,74 +58,10 @@ async def _refused_on_error(
         ticket.refuse(RuntimeError("the choice ended before it was admitted"))
 
 
-async def _result(response) -> Any:
-    return await response
-
-
 def _decode_request(gen: GenerateRequest, prefill: PrefillResult | HandOff) -> DecodeRequest:
     """The decode call's message; ``prefill``: its result or where to take it. A routing
     hint names a prefill replica, so it does not carry over to the decode deployment."""
     return DecodeRequest(gen, prefill, dataclasses.replace(gen.routing, hint=None))
-
-
-def _call_ended(call: asyncio.Future, queue: DeltaQueue, final: bool = True) -> None:
-    """A call of the choice ended: its error fails the choice (after the deltas already
-    queued); a `generate_to`'s return (``final``) means the final delta is on its way."""
-    if call.cancelled():
-        return
-    error = call.exception()
-    if error is not None:
-        queue.fail(error)
-    elif final:
-        queue.expect_final(FINAL_DELTA_WAIT_S)
-
-
-async def _inbox_deltas(
-    inbox: DeltaInbox,
-    request_id: str,
-    start: Callable[[ReplyTo], Any],
-    admission: AdmissionTicket,
-    first: Awaitable[RequestDelta] | None = None,
-    handed: asyncio.Future | None = None,
-) -> AsyncIterator[RequestDelta]:
-    """One choice's deltas from the inbox while its unary `generate_to` call (``start``)
-    runs. ``first``: the prefill's first delta (awaited: the decode call may be placed
-    while the prefill runs), given out once the decode call has a replica (so an
-    overloaded decode deployment still answers 429 before any byte); if it already ends
-    the choice, the decode call is cancelled. ``handed``: the prefill's hand-over to the
-    decode call, whose failure (the prefill's, even after its token) fails the choice while
-    the decode call has sent nothing: that call would wait for the prefill's result in vain
-    (once it sends, it has the result)."""
-    queue = inbox.open(request_id)  # before the call: no delta can be missed
-    try:
-        response = start(inbox.reply_to)
-    except BaseException:
-        inbox.close(request_id)
-        raise
-    call = asyncio.ensure_future(_result(response))
-    call.add_done_callback(lambda c: _call_ended(c, queue))
-    if handed is not None:
-        handed.add_done_callback(lambda h: queue.received or _call_ended(h, queue, final=False))
-    try:
-        if first is not None:
-            await assigned(response)
-            head = await first
-            admission.admit()
-            yield head
-            if head.finish_reason in DONE_REASONS:
-                return  # the prefill's token ended it: the finally cancels the decode call
-        while True:
-            delta = await queue.get()
-            admission.admit()  # the engine took it (its refusal would come first)
-            yield delta
-            if delta.finished:
-                break
-        await call
-    finally:
-        inbox.close(request_id)  # its later deltas are dropped
-        if not call.done() and not queue.finished:  # cancelled or failed: abort it
-            response.cancel()
-            call.cancel()
 
 
 class RequestDriver:
@@ -255,13 +177,13 @@ class RequestDriver:
             start = lambda reply_to: self._place(  # noqa: E731
                 deployment, "generate_to", gen.routing, (message, reply_to)
             )
-            deltas = _inbox_deltas(self.inbox, gen.request_id, start, admission)
+            deltas = inbox_deltas(self.inbox, gen.request_id, start, admission)
             async with contextlib.aclosing(deltas):  # closing us cancels the call at once
                 async for delta in deltas:
                     yield delta
             return
         handle = getattr(self, deployment)
-        async for delta in _stream(handle.options(stream=True).generate.remote(message)):
+        async for delta in serve_stream(handle.options(stream=True).generate.remote(message)):
             admission.admit()  # the engine took it (its refusal would come first)
             yield delta
 
@@ -285,7 +207,7 @@ class RequestDriver:
         await assigned(decode)  # before the first token goes out: 429 stays possible
         admission.admit()
         yield result.first
-        async for delta in _stream(decode):
+        async for delta in serve_stream(decode):
             yield delta
 
     def _place(self, deployment: str, method: str, routing: RoutingInfo, args: tuple):
@@ -338,7 +260,7 @@ class RequestDriver:
                 placed.set_result(decode)
                 return decode
 
-            deltas = _inbox_deltas(
+            deltas = inbox_deltas(
                 self.inbox, gen.request_id, start, admission, first, handed=handed
             )
             n = 0  # delta 0 is the prefill's token
@@ -375,7 +297,7 @@ class RequestDriver:
             early.cancel()
         if early.done() and not early.cancelled() and early.exception() is None:
             # The result lands later (placement recorded then); its failure after the
-            # token fails the choice (`_inbox_deltas` watches it).
+            # token fails the choice (`inbox_deltas` watches it).
             return dataclasses.replace(early.result(), request_id=gen.request_id)
         return (await result).first
 

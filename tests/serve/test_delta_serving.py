@@ -122,7 +122,7 @@ def test_request_timeout_cancels_the_call_and_frees_blocks(url):
     """A non-streaming request past request_timeout_s gets 504; the ingress itself answers
     (Serve does not cancel anything here), so only the driver's cancel of the unary call
     aborts the engine request. Seen failing (request still running and its blocks held
-    ABORT_BOUND_S later) with _inbox_deltas not cancelling the call when its choice was
+    ABORT_BOUND_S later) with inbox_deltas not cancelling the call when its choice was
     closed; the disconnect test above still passed then (Serve cancelled the call)."""
     body = {"model": "tiny", "prompt": "a long story", "max_tokens": LONG_TOKENS,
             "ignore_eos": True, "temperature": 0}  # fmt: skip

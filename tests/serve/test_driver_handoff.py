@@ -283,7 +283,7 @@ def test_a_prefill_that_fails_after_its_token_fails_the_choice_and_cancels_the_d
     """The token can go out before the prefill's result; if the prefill then fails (its
     replica died before posting the result), the decode call would wait for the hand-off
     in vain: the choice fails and the decode call is cancelled. Seen failing (collect timed
-    out, the decode call still waiting) without `_inbox_deltas` watching the prefill."""
+    out, the decode call still waiting) without `inbox_deltas` watching the prefill."""
 
     async def go():
         inbox, stream, state, head = await _streaming_past_its_head([])
