@@ -114,15 +114,17 @@ class _Prefill:
 
 
 async def _disaggregated(
-    result: PrefillResult, busy=False, error=None, held=False, max_tokens: int = 4
+    result: PrefillResult, busy=False, error=None, held=False, max_tokens: int = 4, local=0
 ):
     """A choice (``max_tokens``) of a driver whose decode calls go direct to a real
     DecodeServer's port (``busy``: it has no free slot, so they go through Serve, which
     runs the replica's method) and whose prefill answers ``result`` (``held``: once
-    ``ns.answer`` is set): -> ns (stream, box, port, prefill, serve_calls, inbox)."""
+    ``ns.answer`` is set); ``local``: the driver's `local_prefill_tokens` (the prompt has 2):
+    -> ns (stream, box, port, prefill, serve_calls, inbox, engine)."""
     ns = SimpleNamespace(box=_Box(), serve_calls=[], answer=asyncio.Event())
     ns.inbox = await DeltaInbox.start()
-    server = _server(DecodeServer, StepEngine(), ns.box)
+    ns.engine = StepEngine()
+    server = _server(DecodeServer, ns.engine, ns.box)
     ns.port = await started_port(server, max_ongoing=1)
     if busy:
         assert ns.port.slots.try_take()
@@ -138,6 +140,7 @@ async def _disaggregated(
     driver = RequestDriver(
         ReplicaMetrics("ingress", "test-handoff"), prefill=prefill, decode=decode,
         inbox=ns.inbox, direct={"decode": DirectCaller(APP, DEPLOYMENT)}, hand_offs=ns.box,
+        local_prefill_tokens=local,
     )  # fmt: skip
     params = SamplingParams(max_tokens=max_tokens)
     req = NormalizedRequest("r", "e", "text_completion", [5, 6], params)
@@ -175,6 +178,31 @@ def test_the_ingress_hands_the_prefill_result_to_its_direct_decode_call(posted):
     assert _tokens(got) == [40, 1, 2, 3] and got[-1].finish_reason == "length", got
     assert ns.port.calls == 1 and ns.serve_calls == [] and ns.box.discards == []
     assert ns.box.posts == ns.box.takes == (["e-0"] if posted else [])
+
+
+def test_a_short_prompt_is_one_direct_decode_call_whose_replica_prefills_it():
+    """Conditional disaggregation over the direct call channel: the 2-token prompt (limit 2)
+    gets no prefill call; the decode replica's engine gets the whole prompt, no KV to
+    import, and every token, the first included, comes from it. Seen failing (the prefill
+    called, tokens [40, 1, 2, 3]) with the limit at 1."""
+    added: list = []
+
+    async def main():
+        ns = await _disaggregated(_result(False), local=2)
+        add = ns.engine.add_request
+        ns.engine.add_request = lambda request: (added.append(request), add(request))
+        try:
+            return (await ns.stream.collect(timeout_s=10))[0], ns
+        finally:
+            await _closed(ns)
+
+    got, ns = asyncio.run(main())
+    assert _tokens(got) == [1, 2, 3, 4] and got[-1].finish_reason == "length", got
+    assert ns.prefill.task is None and ns.port.calls == 1 and ns.serve_calls == []
+    assert ns.box.posts == ns.box.takes == ns.box.discards == []
+    (request,) = added
+    assert request.prompt_token_ids == [5, 6] and request.kv_import is None
+    assert request.sampling_params.max_tokens == 4
 
 
 def test_a_client_leaving_after_an_in_band_delivery_has_nothing_to_discard():
