@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import AsyncIterator
 
 from ray import serve
 
-from app.engine.request import Request, RequestDelta
+from app.engine.request import RequestDelta
 from app.serve.delta_outbox import stream_to
 from app.serve.delta_wire import ReplyTo, StreamSummary
 from app.serve.engine_replica import EngineReplica
@@ -25,7 +24,7 @@ class EngineServer(EngineReplica):
         host = self.host
         host.inflight_tokens += len(req.prompt_token_ids)
         try:
-            deltas = host.async_engine.generate(_request(req))
+            deltas = host.async_engine.generate(req.engine_request())
             # Closed explicitly: when Serve closes or drops this generator (a cancelled
             # caller), the engine aborts now, not whenever the garbage collector runs.
             async with contextlib.aclosing(coalesce(deltas, self.args.stream_interval_s)) as s:
@@ -56,12 +55,7 @@ class EngineServer(EngineReplica):
 
         host.inflight_tokens += len(req.prompt_token_ids)
         try:
-            await stream_to(link, host.async_engine.run(_request(req), on_delta))
+            await stream_to(link, host.async_engine.run(req.engine_request(), on_delta))
         finally:
             host.inflight_tokens -= len(req.prompt_token_ids)
         return StreamSummary(req.request_id, tokens)
-
-
-def _request(req: GenerateRequest) -> Request:
-    params = dataclasses.replace(req.params, n=1)
-    return Request(req.request_id, req.prompt_token_ids, params, cache_salt=req.cache_salt)

@@ -123,8 +123,7 @@ class DecodeServer(EngineReplica):
         prompt = gen.prompt_token_ids
         if req.prefill is None:
             self.host.metrics.inc("slimserve:local_prefills", 1)
-            params = dataclasses.replace(gen.params, n=1)
-            return Request(gen.request_id, prompt, params, cache_salt=gen.cache_salt)
+            return gen.engine_request()
         first = req.prefill.first
         # The tags are checked by the engine's import, in the same pass as its cache
         # write (app/engine/kv_transfer.py); what it rejects is dropped after.

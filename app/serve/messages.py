@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
-from app.engine.request import RequestDelta
+from app.engine.request import Request, RequestDelta
 from app.engine.sampling_params import SamplingParams
 from app.kv.keys import chain_keys, make_salt
 from app.kvstore.store import StoredChunk
@@ -28,6 +29,12 @@ class GenerateRequest:
     params: SamplingParams
     cache_salt: str | None = None
     routing: RoutingInfo = field(default_factory=lambda: RoutingInfo(0))
+
+    def engine_request(self) -> Request:
+        """The engine request that runs this choice whole, its prompt prefilled there (a
+        colocated engine, or a decode replica given a short prompt)."""
+        params = dataclasses.replace(self.params, n=1)
+        return Request(self.request_id, self.prompt_token_ids, params, cache_salt=self.cache_salt)
 
 
 @dataclass(frozen=True, slots=True)
