@@ -280,6 +280,10 @@ class RequestTimer:
         now = time.perf_counter()
         if self.last is None:
             self.metrics.observe("slimserve:time_to_first_token_seconds", now - self.arrival)
+            # Tokens that came with the first (deltas merged while the reader lagged) are
+            # gaps of 0: every token after a choice's first is one inter-token gap.
+            for _ in range(n - 1):
+                self.metrics.observe("slimserve:inter_token_latency_seconds", 0.0)
         else:  # a delta of n tokens: n gaps of (elapsed / n)
             for _ in range(n):
                 self.metrics.observe("slimserve:inter_token_latency_seconds", (now - self.last) / n)
