@@ -30,6 +30,10 @@ log = logging.getLogger(__name__)
 class DecodeServer(EngineReplica):
     role = "decode"
     uses_store = True
+    local_prefills = 0  # choices given to this replica to prefill (the metric counts them too)
+
+    async def stats(self) -> dict:
+        return {**await super().stats(), "local_prefills": self.local_prefills}
 
     async def generate(self, req: DecodeRequest) -> AsyncIterator[RequestDelta]:
         """Deltas after the first token, streamed back through Serve (`delta_channel:
@@ -122,6 +126,7 @@ class DecodeServer(EngineReplica):
         gen = req.request
         prompt = gen.prompt_token_ids
         if req.prefill is None:
+            self.local_prefills += 1
             self.host.metrics.inc("slimserve:local_prefills", 1)
             return gen.engine_request()
         first = req.prefill.first

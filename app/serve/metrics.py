@@ -72,6 +72,9 @@ SPECS: dict[str, MetricSpec] = {
     "slimserve:kv_integrity_failures": MetricSpec(
         "counter", "KV chunks dropped after a failed check (reason=integrity|fetch).", ("reason",)
     ),
+    "slimserve:kv_export_failures": MetricSpec(
+        "counter", "Prefills whose KV export failed (the decode replica recomputed the prompt)."
+    ),
     "slimserve:preemptions": MetricSpec("counter", "Sequences preempted for lack of KV blocks."),
     "slimserve:local_prefills": MetricSpec(
         "counter", "Choices given to their decode replica to prefill (a prompt under a KV chunk)."

@@ -142,6 +142,7 @@ class PrefillServer(EngineReplica):
             except RequestError as e:  # the export failed: the token stands; the decode
                 # replica gets what came from the store and computes the rest
                 log.warning("prefill %s: its KV export failed: %s", first.request_id, e)
+                self.host.metrics.inc("slimserve:kv_export_failures", 1)
                 return dataclasses.replace(first, finished=True), reused
         assert first.finished, "prefill ended without a final delta"
         exported = first.exported_chunks or []

@@ -35,12 +35,18 @@ def offline(model):
     return LLM(model, dtype="float32", device="cpu", kv_cache_dtype="fp8_e4m3")
 
 
+LOCAL_LIMIT = 16  # prompts of at most this many tokens prefill on the decode replica
+
+
 @pytest.fixture(scope="module")
 def url(ray_session, model):
-    # Prompts of at most 16 tokens prefill on the decode replica (conditional
-    # disaggregation); the other tests' prompts are longer, through a prefill replica.
+    # Conditional disaggregation: the other tests' prompts are longer than LOCAL_LIMIT,
+    # through a prefill replica.
     args = tiny_serve_args(
-        model, num_prefill_replicas=2, local_prefill_max_tokens=16, engine={"dtype": "float32"}
+        model,
+        num_prefill_replicas=2,
+        local_prefill_max_tokens=LOCAL_LIMIT,
+        engine={"dtype": "float32"},
     )
     with running_app(ray_session, args) as u:
         yield u
@@ -307,7 +313,12 @@ def test_decode_completes_after_the_prefill_replica_dies(url, store, offline):
 
 @pytest.mark.parametrize("n", [40, 12], ids=["prefilled", "local"])
 def test_client_disconnect_frees_decode_blocks(url, n):
+    """A client that leaves mid-stream frees the decode replica's blocks, whether its prompt
+    went through a prefill replica (40 tokens) or was prefilled on the decode replica (12:
+    under the limit). Seen failing (local_prefills 0 for 12) with the ingress's limit
+    check always false."""
     decode = serve.get_deployment_handle("DecodeServer", "slimserve")
+    local_before = decode.stats.remote().result()["local_prefills"]
     body = {
         "model": "tiny",
         "prompt": prompt_ids(30, n=n),
@@ -330,3 +341,4 @@ def test_client_disconnect_frees_decode_blocks(url, n):
     assert after["num_running"] == 0 and after["num_waiting"] == 0
     assert after["kv_blocks_free"] == after["kv_blocks_total"]  # no leaked blocks
     assert httpx.get(url + "/health").status_code == 200
+    assert after["local_prefills"] - local_before == (n <= LOCAL_LIMIT)

@@ -82,8 +82,8 @@ def test_a_failed_export_after_the_token_hands_over_only_the_stored_prefix():
     """The token went out, then the engine's KV export failed: the prefill still succeeds
     with that token and hands over only the chunks it took from the store (nothing to
     publish), so the decode replica computes the rest (the choice is not failed for a
-    cache copy). Seen failing (the call raised RequestError) without the except in
-    _hand_over."""
+    cache copy); the failure is counted. Seen failing (the call raised RequestError)
+    without the except in _hand_over, and (no count) without its `inc`."""
     engine = ExportHeldEngine(error="KV export failed: disk on fire")
     got, _, result, server = asyncio.run(_prefill_around_export(engine, [STORED]))
     posted = server.hand_offs.posted["h-0"]
@@ -91,6 +91,13 @@ def test_a_failed_export_after_the_token_hands_over_only_the_stored_prefix():
     assert result.first.finished and result.first.error is None
     assert posted.first == result.first and posted.chunks == [STORED]
     assert not hasattr(server, "exported")  # no publish
+    assert server.host.counted == [("slimserve:kv_export_failures", 1)]
+
+
+def test_a_successful_export_counts_no_export_failure():
+    got, _, result, server = asyncio.run(_prefill_around_export(ExportHeldEngine()))
+    assert result.first.new_token_ids == [1] and server.exported == ["c"]
+    assert server.host.counted == []
 
 
 def test_prefill_cancelled_while_the_engine_exports_still_publishes_the_kv():
@@ -222,6 +229,8 @@ def _publish_held(
     server.host.name = "p"
     metrics = server.host.metrics
     metrics.timed = functools.partial(ReplicaMetrics.timed, metrics)
+    server.host.counted = []  # (name, value) of every `inc`
+    metrics.inc = lambda name, value: server.host.counted.append((name, value))
     server.host.import_from_store = lambda prompt, salt: _nothing_stored(reused)
     server._handing_over = set()
     release, published = asyncio.Event(), asyncio.Event()
