@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import time
 import uuid
@@ -44,7 +45,7 @@ class EngineReplica:
             self.hand_offs = HandOffs(a.store_name)
         self.host = EngineHost(self.args, store, role=self.role)
         self.outbox = DeltaOutbox()  # the delta channel's links to the ingresses
-        self.slots = Slots(max_ongoing(self.args))  # shared by Serve and direct calls
+        self.slots = replica_slots(self.args)  # shared by Serve and direct calls
         self.calls = self._call_port()  # direct calls from the ingresses, or None
         warm_up(self.host.engine)
 
@@ -92,11 +93,17 @@ class EngineReplica:
         return {**self.host.stats(), **direct}
 
 
+def replica_slots(args: ServeArgs) -> Slots:
+    """The replica's slots, sized by `max_ongoing` at each take and release."""
+    return Slots(functools.partial(max_ongoing, args))
+
+
 def max_ongoing(args: ServeArgs) -> int:
-    """This deployment's `max_ongoing_requests` as Serve runs it: an operator's config may set
-    it apart from the app's args (deploy/gpu.yaml: 128 prefill, 256 decode), and slots sized
-    from the args would hold Serve's calls back in the replica. (A private field of Serve's
-    replica context, hence the fallback to the args: the value the app deploys with.)"""
+    """This deployment's `max_ongoing_requests` as Serve runs it now: an operator's config may
+    set it apart from the app's args (deploy/gpu.yaml: 128 prefill, 256 decode), and change it
+    in place later (Serve's reconfigure updates the replica context); slots sized from the
+    args would hold Serve's calls back in the replica. (A private field of Serve's replica
+    context, hence the fallback to the args: the value the app deploys with.)"""
     try:
         return int(serve.get_replica_context()._deployment_config.max_ongoing_requests)
     except Exception:  # noqa: BLE001 - outside a replica (unit tests), or Serve changed

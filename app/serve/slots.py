@@ -13,20 +13,34 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 
 class Slots:
-    def __init__(self, total: int):
-        self.total = total
-        self.free = total
+    """``total``: the replica's `max_ongoing_requests`, or a function that reads it live: Serve
+    changes it in place when an operator edits only that option (no replica restart), and
+    slots that kept the old count would hold Serve's calls back or let more run. A changed
+    count is seen at the next take or release."""
+
+    def __init__(self, total: int | Callable[[], int]):
+        self._total = total if callable(total) else (lambda: total)
+        self.in_use = 0
         self._waiters: deque[asyncio.Future] = deque()
 
+    @property
+    def total(self) -> int:
+        return self._total()
+
+    @property
+    def free(self) -> int:
+        return max(0, self.total - self.in_use)
+
     def try_take(self) -> bool:
-        """A slot now, or False (never waits). A released slot passes straight to a waiting
-        call, so there is never a free slot while calls wait."""
-        if self.free > 0:
-            self.free -= 1
+        """A slot now, or False (never waits). Waiting calls are served first, so there is
+        never a free slot while calls wait."""
+        self._hand_out()
+        if not self._waiters and self.in_use < self.total:
+            self.in_use += 1
             return True
         return False
 
@@ -41,17 +55,22 @@ class Slots:
             if waiter.done() and not waiter.cancelled():
                 self.release()  # handed a slot in the same turn it was cancelled
             else:
-                with contextlib.suppress(ValueError):  # a release may have dropped it
+                with contextlib.suppress(ValueError):  # a hand-out may have dropped it
                     self._waiters.remove(waiter)
             raise
 
     def release(self) -> None:
-        while self._waiters:
+        self.in_use -= 1
+        self._hand_out()
+
+    def _hand_out(self) -> None:
+        """Free slots pass straight to waiting calls, in arrival order."""
+        total = self.total
+        while self._waiters and self.in_use < total:
             waiter = self._waiters.popleft()
             if not waiter.done():
-                waiter.set_result(None)  # the slot passes straight to it
-                return
-        self.free += 1
+                waiter.set_result(None)
+                self.in_use += 1
 
     @contextlib.asynccontextmanager
     async def held(self) -> AsyncIterator[None]:

@@ -230,3 +230,53 @@ def test_a_call_placed_through_serve_reports_serves_refusal_as_its_placement():
 
     error, via = asyncio.run(go())
     assert isinstance(error, BackPressureError) and via == "serve"
+
+
+def test_slots_follow_a_count_changed_in_place():
+    """Serve changes a replica's max_ongoing_requests in place (an operator's edit of that
+    option alone: its reconfigure updates the replica context, no restart): the slots read
+    it live. Grown, the waiting calls get the new slots at the next take or release; shrunk,
+    released slots are not handed out until fewer than the new count are taken. Seen
+    failing (the waiter still waiting; a third call let in) with the count read once."""
+    limit = [1]
+
+    async def main():
+        slots = Slots(lambda: limit[0])
+        assert slots.try_take()
+        waiter = asyncio.ensure_future(slots.take())
+        await asyncio.sleep(0)
+        limit[0] = 3  # grown: the waiter gets one at the next take, which gets the third
+        grown = slots.try_take(), slots.try_take()
+        await asyncio.wait_for(waiter, 1)
+        limit[0] = 1  # shrunk: three taken
+        slots.release()
+        slots.release()
+        shrunk = slots.try_take(), slots.free
+        slots.release()
+        return grown, shrunk, slots.in_use, slots.try_take()
+
+    assert asyncio.run(main()) == ((True, False), (False, 0), 0, True)
+
+
+def test_a_replicas_slots_read_serves_count_live(monkeypatch):
+    """The replica's slots are sized by what its replica context says now (max_ongoing, read
+    at each take), not at construction. Seen failing (a call let in past the new count)
+    with replica_slots reading the count once."""
+    from types import SimpleNamespace
+
+    from ray import serve
+    from ray.serve._private.config import DeploymentConfig
+
+    from app.serve.config import ServeArgs
+    from app.serve.engine_replica import replica_slots
+
+    config = DeploymentConfig(max_ongoing_requests=2)
+    context = SimpleNamespace(_deployment_config=config)
+    monkeypatch.setattr(serve, "get_replica_context", lambda: context)
+    slots = replica_slots(ServeArgs())
+    assert slots.try_take() and slots.try_take() and not slots.try_take()
+    context._deployment_config = DeploymentConfig(max_ongoing_requests=1)  # reconfigured
+    slots.release()
+    assert not slots.try_take()
+    slots.release()
+    assert slots.try_take()
