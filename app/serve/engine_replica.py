@@ -90,7 +90,7 @@ class EngineReplica:
 
     async def stats(self) -> dict[str, Any]:
         direct = {"direct_calls": self.calls.calls} if self.calls is not None else {}
-        return {**self.host.stats(), **direct}
+        return {**self.host.stats(), **direct, "slots_in_use": self.slots.in_use}
 
 
 def replica_slots(args: ServeArgs) -> Slots:

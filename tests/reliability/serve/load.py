@@ -94,7 +94,9 @@ def soak_one(
         body = {"model": "tiny", "prompt": batch[j], "max_tokens": tokens, "n": 2}
         body |= {"temperature": 0.8, "seed": j}
         r = httpx.post(app["url"] + "/v1/completions", json=body, timeout=120)
-        return "n2_ok" if r.status_code == 200 and len(r.json()["choices"]) == 2 else "wrong"
+        if r.status_code == 200 and len(r.json()["choices"]) == 2:
+            return "n2_ok"
+        return _refused(r) or f"wrong n2: {r.status_code} {r.text[:40]}"
     prompt = long_prompt(rng) if callable(long_prompt) else long_prompt
     r = httpx.post(
         app["url"] + "/v1/completions",
@@ -109,14 +111,19 @@ def _http_cancel(app, prompt, after: int) -> str:
     with httpx.stream(
         "POST", app["url"] + "/v1/completions", json=body | {"stream": True}, timeout=120
     ) as r:
-        if r.status_code in (429, 503) and "retry-after" in r.headers:
-            return "clean_error"
+        if refused := _refused(r):
+            return refused
         seen = 0
         for line in r.iter_lines():
             seen += line.startswith("data: {")
             if seen >= after:
                 return "cancelled"
-    return "wrong"
+    return f"wrong cancel: {r.status_code}, the stream ended after {seen} events"
+
+
+def _refused(r: httpx.Response) -> str | None:
+    """'rejected' for an overload answer (429 / 503 naming when to retry), else None."""
+    return "rejected" if r.status_code in (429, 503) and "retry-after" in r.headers else None
 
 
 def grpc_deadline(app, prompt, timeout: float, in_request: bool = False) -> str:
@@ -131,8 +138,10 @@ def grpc_deadline(app, prompt, timeout: float, in_request: bool = False) -> str:
     except grpc.RpcError as e:
         if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
             return "deadline"
-        return "clean_error" if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED else "wrong"
-    return "wrong"
+        if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return "clean_error"
+        return f"wrong deadline: {e.code().name} {(e.details() or '')[:40]}"
+    return "wrong deadline: the call ended before its deadline"
 
 
 def soak(
