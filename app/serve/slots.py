@@ -38,8 +38,8 @@ class Slots:
     def try_take(self) -> bool:
         """A slot now, or False (never waits). Waiting calls are served first, so there is
         never a free slot while calls wait."""
-        self._hand_out()
-        if not self._waiters and self.in_use < self.total:
+        total = self._hand_out()
+        if not self._waiters and self.in_use < total:
             self.in_use += 1
             return True
         return False
@@ -63,14 +63,16 @@ class Slots:
         self.in_use -= 1
         self._hand_out()
 
-    def _hand_out(self) -> None:
-        """Free slots pass straight to waiting calls, in arrival order."""
+    def _hand_out(self) -> int:
+        """Free slots pass straight to waiting calls, in arrival order; -> the count it read
+        (read once: a live count is a replica-context lookup)."""
         total = self.total
         while self._waiters and self.in_use < total:
             waiter = self._waiters.popleft()
             if not waiter.done():
                 waiter.set_result(None)
                 self.in_use += 1
+        return total
 
     @contextlib.asynccontextmanager
     async def held(self) -> AsyncIterator[None]:

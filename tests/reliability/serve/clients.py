@@ -35,6 +35,11 @@ class Outcome:
         return "clean_error" if self.retriable else "wrong"
 
 
+def refused(r: httpx.Response) -> bool:
+    """An overload answer: 429 / 503 naming when to retry (before any token)."""
+    return r.status_code in RETRIABLE_HTTP and "retry-after" in r.headers
+
+
 def http_stream(url: str, prompt: list[int], max_tokens: int, timeout: float = 120) -> Outcome:
     body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
     body |= {"ignore_eos": True, "stream": True}
@@ -44,7 +49,7 @@ def http_stream(url: str, prompt: list[int], max_tokens: int, timeout: float = 1
             if r.status_code != 200:
                 r.read()
                 out.error = f"HTTP {r.status_code}: {r.text[:120]}"
-                out.retriable = r.status_code in RETRIABLE_HTTP and "retry-after" in r.headers
+                out.retriable = refused(r)
                 return out
             for line in r.iter_lines():
                 if not line.startswith("data: {"):

@@ -13,7 +13,7 @@ import httpx
 import psutil
 
 from app.serve.grpc_gen.slimserve.v1 import generation_pb2 as pb
-from reliability.serve.clients import Outcome, grpc_stream, http_stream, run_all
+from reliability.serve.clients import Outcome, grpc_stream, http_stream, refused, run_all
 
 
 def cluster_rss() -> int:
@@ -96,7 +96,7 @@ def soak_one(
         r = httpx.post(app["url"] + "/v1/completions", json=body, timeout=120)
         if r.status_code == 200 and len(r.json()["choices"]) == 2:
             return "n2_ok"
-        return _refused(r) or f"wrong n2: {r.status_code} {r.text[:40]}"
+        return "rejected" if refused(r) else f"wrong n2: {r.status_code} {r.text[:40]}"
     prompt = long_prompt(rng) if callable(long_prompt) else long_prompt
     r = httpx.post(
         app["url"] + "/v1/completions",
@@ -111,19 +111,14 @@ def _http_cancel(app, prompt, after: int) -> str:
     with httpx.stream(
         "POST", app["url"] + "/v1/completions", json=body | {"stream": True}, timeout=120
     ) as r:
-        if refused := _refused(r):
-            return refused
+        if refused(r):
+            return "rejected"
         seen = 0
         for line in r.iter_lines():
             seen += line.startswith("data: {")
             if seen >= after:
                 return "cancelled"
     return f"wrong cancel: {r.status_code}, the stream ended after {seen} events"
-
-
-def _refused(r: httpx.Response) -> str | None:
-    """'rejected' for an overload answer (429 / 503 naming when to retry), else None."""
-    return "rejected" if r.status_code in (429, 503) and "retry-after" in r.headers else None
 
 
 def grpc_deadline(app, prompt, timeout: float, in_request: bool = False) -> str:
