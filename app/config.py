@@ -235,10 +235,10 @@ class EngineConfig:
         None, "quantize weights on load (int4: W4A16, fp8)", WEIGHT_QUANTS
     )
     fp8_activations: str = opt(
-        "w8a16",
+        "auto",
         "FP8 weights on CUDA: w8a16 (bf16 activations), w8a8 (FP8 per-token-group activations),"
-        " auto (w8a8 where FP8 tensor cores and enough tokens; app/quant/fp8_activations.py);"
-        " w8a16 by default until W8A8 has run on a GPU",
+        " auto (w8a8 where FP8 tensor cores and outputs of >= 1024 columns, measured on an"
+        " H100; app/quant/fp8_activations.py)",
         FP8_ACTIVATIONS,
     )
     attention_backend: str = opt("auto", "attention implementation", ATTENTION_BACKENDS)

@@ -71,6 +71,7 @@ CONFIGS = {
     "bf16 + fp8 KV graphs": dict(kv_cache_dtype="fp8_e4m3"),
     "int4 graphs": dict(weight_quant="int4"),
     "fp8 graphs": dict(weight_quant="fp8"),
+    "fp8 w8a8 graphs": dict(weight_quant="fp8", fp8_activations="w8a8"),
 }
 COMMON = dict(
     device="cuda",

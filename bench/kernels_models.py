@@ -8,7 +8,7 @@
 - `gemm`: FP8-block and INT4 (g128) W*A16 GEMMs, and W8A8 (FP8 per-token-group activations,
   quantization included: impl "w8a8"), vs BF16 at the projection shapes of Llama-3-8B,
   GLM-4.5 and Kimi K2. "w8a8" vs "fp8" (W8A16) per M is what sets `fp8_activations=auto`'s
-  threshold (app/quant/fp8_activations.py, W8A8_MIN_TOKENS).
+  rule (app/quant/fp8_activations.py, W8A8_MIN_N).
 - `seed_table`: the seed's comparisons (INT4 vs FP8 decode step, INT4 prefill penalty) per
   model from those rows: one layer's projection GEMMs + its routed experts (fused MoE).
 

@@ -2,8 +2,8 @@
 # Everything that needs a GPU, as one run of a lent GPU's short time (docs/performance.md,
 # "On a GPU"): the GPU tests (W8A8 FP8 GEMM included), the engine benchmark (CUDA graphs vs
 # eager, INT4 / FP8 weights, FP8 KV), the kernels benchmark (its model_gemm rows: W8A8 vs
-# W8A16 vs BF16, which set fp8_activations=auto's threshold) and, when named, the INT4 GEMV
-# sweep. Each stage has its own
+# W8A16 vs BF16, which set fp8_activations=auto's rule) and, when named, the INT4 GEMV
+# sweep (`sweep`) and the W8A8 GEMM's prefill tile sweep (`fp8_sweep`). Each stage has its own
 # time limit and writes to $OUT as it goes, so a stage cut short leaves the others' results.
 #
 #   OUT=/tmp/gpu bash scripts/gpu_check.sh            # python3 = a python with torch + triton
@@ -16,6 +16,10 @@ PY="${PY:-python3}"
 STAGES="${STAGES:-tests gpu_engine kernels}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# The C++ CPU kernels are not what a GPU run checks, and their first build (tests/conftest.py
+# builds all three at session start) would take minutes of the lent time: the CPU sides of the
+# GPU-vs-CPU tests take the torch path.
+export SLIMSERVE_CPU_KERNELS="${SLIMSERVE_CPU_KERNELS:-0}"
 
 stage() {  # stage NAME SECONDS CMD...: run CMD under a time limit, log to $OUT/NAME.log
 	local name=$1 limit=$2
@@ -38,4 +42,5 @@ stage tests "${T_TESTS:-200}" "$PY" -m pytest -q -p no:cacheprovider -rfEs \
 stage gpu_engine "${T_ENGINE:-150}" "$PY" bench/gpu_engine.py --quick --out "$OUT" ${ENGINE_ARGS:-}
 stage kernels "${T_KERNELS:-170}" "$PY" bench/kernels.py --quick --out "$OUT"
 stage sweep "${T_SWEEP:-150}" "$PY" bench/int4_gemv_sweep.py --out "$OUT"
+stage fp8_sweep "${T_FP8_SWEEP:-300}" "$PY" bench/fp8_gemm_sweep.py --out "$OUT"
 tail -n 3 "$OUT"/*.log

@@ -171,6 +171,7 @@ def fp8_block_gemm(
         BLOCK_K=bk,
         FP8_DOT=fp8_dot,
         num_warps=cfg.get("num_warps", 4),
+        num_stages=cfg.get("num_stages", 3),  # Triton's default on CUDA; no-op interpreted
     )
     return y[0] if splits == 1 else y.sum(0).to(out_dtype)
 

@@ -212,7 +212,11 @@ def quantize_fp8_token_groups(
     m, k = x.shape
     pad = -k % group
     xg = torch.nn.functional.pad(x.float(), (0, pad)).view(m, -1, group)  # [M, G, group]
-    s = xg.abs().amax(-1).clamp_min(FP8_AMAX_EPS) / FP8_MAX  # [M, G]
+    amax = xg.abs().amax(-1).clamp_min(FP8_AMAX_EPS)  # [M, G]
+    # Divided by a tensor, not the Python number: on CUDA, torch computes `t / scalar` as
+    # t * (1 / scalar), one rounding more than IEEE division (an H100 run: scales 1 ulp off
+    # the Triton kernel's div_rn); tensor / tensor divides with IEEE rounding everywhere.
+    s = amax / torch.full_like(amax, FP8_MAX)
     q = (xg / s.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).view(m, -1)[:, :k]
     return q.to(FP8_DTYPE), s
 

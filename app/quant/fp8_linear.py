@@ -103,7 +103,7 @@ class Fp8Linear(QuantizedLinear):
         if not slimserve_kernels.use_triton(x):  # CPU: W8A16 through a per-layer dequant
             return F.linear(x, self.dequantized_weight(x.dtype))
         args = (x, self.weight, self.weight_scale_inv, self.block)
-        if use_w8a8(self.fp8_activations, x):
+        if use_w8a8(self.fp8_activations, x, self.weight.shape[0]):
             return slimserve_kernels.triton_fp8_w8a8_gemm(*args)
         return slimserve_kernels.triton_fp8_gemm(*args)
 

@@ -77,15 +77,23 @@ def assert_as_accurate(err, top1, cpu_err, cpu_top1) -> None:
     assert err < 1.5 * cpu_err + 0.01 and top1 >= cpu_top1 - 0.1, msg
 
 
-@pytest.mark.parametrize("weight_quant", ["fp8", "int4"])
+@pytest.mark.parametrize(
+    "weight_quant,fp8_activations", [("fp8", "w8a16"), ("fp8", "w8a8"), ("int4", "auto")]
+)
 @pytest.mark.parametrize("family", ["llama", "glm4_moe"])
-def test_quantized_weights_gpu_as_accurate_as_cpu(weight_quant, family, llama_path, moe_path):
-    """Same checkpoint, same on-load quantization: the GPU's Triton W8A16 / W4A16 GEMMs (and
-    fused MoE) are as close to transformers' unquantized logits as the CPU engine's
-    dequantize path is (an H200 run gave GPU-vs-CPU differences of 5% of the logits' spread
-    for INT4, against 21% for INT4-vs-unquantized: not bit-equal, so compared by accuracy)."""
+def test_quantized_weights_gpu_as_accurate_as_cpu(
+    weight_quant, fp8_activations, family, llama_path, moe_path
+):
+    """Same checkpoint, same on-load quantization: the GPU's Triton W8A16 / W8A8 / W4A16
+    GEMMs (and fused MoE) are as close to transformers' unquantized logits as the CPU
+    engine's dequantize path is (an H200 run gave GPU-vs-CPU differences of 5% of the logits'
+    spread for INT4, against 21% for INT4-vs-unquantized: not bit-equal, so compared by
+    accuracy). W8A8 also rounds the activations to e4m3 per 128-column group: its bound is
+    the same, so FP8 activations must not cost accuracy beyond TF32-level noise."""
     path = llama_path if family == "llama" else moe_path(family)
     kw = dict(dtype="float32", weight_quant=weight_quant, kv_cache_memory_bytes=256 << 20)
     ref = hf_reference(path)
-    gpu = errors(LLM(path, device="cuda", **kw).engine.score(PROMPT), ref)
+    gpu = errors(
+        LLM(path, device="cuda", fp8_activations=fp8_activations, **kw).engine.score(PROMPT), ref
+    )
     assert_as_accurate(*gpu, *errors(LLM(path, device="cpu", **kw).engine.score(PROMPT), ref))

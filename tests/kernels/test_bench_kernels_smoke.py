@@ -49,3 +49,19 @@ def test_cpu_smoke(tmp_path):
     table = result["seed_table"]
     assert [(r["phase"], r["tokens"]) for r in table] == [("decode", 1), ("prefill", 5)]
     assert all(r["int4_speedup_vs_fp8"] > 0 for r in table)
+
+
+def test_fp8_gemm_sweep_smoke(tmp_path):
+    """bench/fp8_gemm_sweep.py --smoke (the interpreter, a tiny grid holding the table's own
+    config): every config runs and matches the reference, and the table's row is found, so
+    the sweep's plumbing is known to work before a GPU's minutes are spent on it."""
+    sweep = SCRIPT.parent / "fp8_gemm_sweep.py"
+    res = subprocess.run(
+        [sys.executable, str(sweep), "--smoke", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+    )
+    assert res.returncode == 0, res.stderr[-4000:]
+    (point,) = json.loads((tmp_path / "fp8_gemm_sweep.json").read_text())["points"]
+    assert len(point["rows"]) == 2 and all(r["rel_err"] < 1e-2 for r in point["rows"])
+    assert point["current_row"] is not None and point["best"] is not None

@@ -8,18 +8,24 @@ import slimserve_kernels
 from app import LLM
 from app.quant import fp8_activations
 from app.quant.fp8 import quantize_fp8_block
-from app.quant.fp8_activations import W8A8_MIN_TOKENS, use_w8a8
+from app.quant.fp8_activations import W8A8_MIN_N, use_w8a8
 from app.quant.fp8_linear import Fp8Linear
 from slimserve_kernels import reference
 
 
-def test_rule_auto_needs_fp8_tensor_cores_and_enough_tokens(monkeypatch):
+def test_rule_auto_needs_fp8_tensor_cores_and_a_wide_enough_output(monkeypatch):
     x = lambda m: torch.zeros(m, 8)  # noqa: E731
-    assert use_w8a8("w8a8", x(1)) and not use_w8a8("w8a16", x(4096))
-    assert not use_w8a8("auto", x(4096))  # CPU: no FP8 tensor cores
+    assert use_w8a8("w8a8", x(1), 8) and not use_w8a8("w8a16", x(4096), 4096)
+    assert not use_w8a8("auto", x(4096), 4096)  # CPU: no FP8 tensor cores
     monkeypatch.setattr(fp8_activations, "fp8_tensor_cores", lambda device: True)
-    assert not use_w8a8("auto", x(W8A8_MIN_TOKENS - 1))  # small M stays W8A16
-    assert use_w8a8("auto", x(W8A8_MIN_TOKENS))
+    assert not use_w8a8("auto", x(4096), W8A8_MIN_N - 1)  # a narrow output stays W8A16
+    assert use_w8a8("auto", x(1), W8A8_MIN_N)  # any token count (decode included)
+
+
+def test_auto_is_the_default():
+    from app.config import EngineConfig
+
+    assert EngineConfig(model="m").fp8_activations == "auto"
 
 
 def _layer(mode: str) -> tuple[Fp8Linear, torch.Tensor]:

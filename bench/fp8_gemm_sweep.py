@@ -1,0 +1,126 @@
+"""Tiles, pipeline stages, warps and split-K of the W8A8 FP8 block GEMM swept on a GPU at
+prefill sizes, each config checked against the PyTorch reference: the data that
+`fp8_w8a8_triton.choose_config`'s table for M > 64 is set from (its first table was written
+without a GPU; an H100 run of bench/kernels.py timed it at 0.4-0.8x cuBLAS BF16 from 1,024
+tokens, where FP8 tensor cores should beat BF16).
+
+    python bench/fp8_gemm_sweep.py [--out DIR]     # needs CUDA; ~2-3 minutes
+    TRITON_INTERPRET=1 python bench/fp8_gemm_sweep.py --smoke --out /tmp/s   # plumbing only
+
+Writes fp8_gemm_sweep.json: per (M, K, N) every config's ms and relative error, cuBLAS BF16's
+ms, the current table's config and the fastest correct one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# (K, N): Llama-3-8B gate_up / o / down, Kimi K2 kv_a (narrow N) and q_b (short K)
+SHAPES = [(4096, 28672), (4096, 4096), (14336, 4096), (7168, 576), (1536, 12288)]
+MS = [256, 1024, 4096]
+TILES = [(64, 128), (128, 64), (128, 128), (128, 256)]  # (BLOCK_M, BLOCK_N)
+WARPS, STAGES = [4, 8], [2, 3, 4]
+SMOKE = dict(shapes=[(256, 96)], ms=[40], tiles=[(16, 32), (64, 64)], warps=[4], stages=[3])
+
+
+def configs(m: int, n: int, k: int, grid: dict):
+    import triton
+
+    for (bm, bn), warps, stages in itertools.product(grid["tiles"], grid["warps"], grid["stages"]):
+        tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+        for split in sorted({1, max(1, min(triton.cdiv(2 * 132, tiles), k // 128 // 4, 16))}):
+            yield dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, num_warps=warps, num_stages=stages,
+                       split_k=split)  # fmt: skip
+
+
+def timer(device):
+    """ms per call: triton's do_bench on CUDA; one wall-clock call in the smoke run."""
+    if device == "cuda":
+        from triton.testing import do_bench
+
+        return lambda fn: float(do_bench(fn, warmup=5, rep=25))
+
+    def once(fn):
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+
+    return once
+
+
+def sweep_point(m: int, k: int, n: int, gen, device: str, grid: dict) -> dict:
+    import torch
+
+    from slimserve_kernels import reference
+    from slimserve_kernels.fp8_act_quant_triton import quantize_fp8_token_groups
+    from slimserve_kernels.fp8_w8a8_triton import choose_config, fp8_block_gemm
+
+    block, bench = (128, 128), timer(device)
+    w = (torch.randn(n, k, generator=gen) * 64).clamp(-448, 448).to(reference.FP8_DTYPE)
+    s = torch.exp2(torch.randint(-14, -9, (-(-n // 128), -(-k // 128)), generator=gen)).float()
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    x, w, s = x.to(device), w.to(device), s.to(device)
+    q, qs = quantize_fp8_token_groups(x)
+    ref = reference.fp8_block_gemm(q, qs, w, s, block, torch.float32)
+    rows = []
+    for cfg in configs(m, n, k, grid):
+        try:
+            out = fp8_block_gemm(q, qs, w, s, block, torch.bfloat16, config=cfg).float()
+        except Exception as e:  # shared memory / registers over the limit: not a candidate
+            rows.append(dict(cfg, error=str(e).splitlines()[0][:200]))
+            continue
+        err = ((out - ref).abs().max() / ref.abs().max()).item()
+        ms = bench(lambda cfg=cfg: fp8_block_gemm(q, qs, w, s, block, torch.bfloat16, config=cfg))
+        rows.append(dict(cfg, ms=ms, rel_err=err))
+    dense_w = torch.randn(n, k, generator=gen).to(torch.bfloat16).to(device)
+    xd = x.to(device)
+    dense_ms = bench(lambda: xd @ dense_w.T)
+    current = {"num_stages": 3, **choose_config(m, n, k, 128)}  # the launch default
+    timed = [r for r in rows if "ms" in r]
+    cur = next((r for r in timed if all(r.get(key) == v for key, v in current.items())), None)
+    best = min((r for r in timed if r["rel_err"] < 1e-2), key=lambda r: r["ms"], default=None)
+    return dict(m=m, k=k, n=n, dense_ms=dense_ms, current=current, current_row=cur, best=best,
+                rows=rows)  # fmt: skip
+
+
+def describe(p: dict) -> str:
+    cur, best = p["current_row"], p["best"]
+    keys = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "split_k")
+    now = f"{cur['ms'] * 1e3:.0f} us" if cur else "untimed"
+    fast = f"{best['ms'] * 1e3:.0f} us {[best[k] for k in keys]}" if best else "none correct"
+    head = f"M {p['m']} K {p['k']} N {p['n']}: bf16 {p['dense_ms'] * 1e3:.0f} us"
+    return f"{head}, table {now}, best {fast}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    ap.add_argument("--smoke", action="store_true", help="tiny grid on CPU (interpreter)")
+    args = ap.parse_args()
+    import torch
+
+    grid = SMOKE if args.smoke else dict(shapes=SHAPES, ms=MS, tiles=TILES, warps=WARPS,
+                                         stages=STAGES)  # fmt: skip
+    device = "cpu" if args.smoke else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: this sweep runs on a GPU (or --smoke)")
+    gen, points, t0 = torch.Generator().manual_seed(0), [], time.time()
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)"
+    os.makedirs(args.out, exist_ok=True)
+    for m in grid["ms"]:
+        for k, n in grid["shapes"]:
+            points.append(sweep_point(m, k, n, gen, device, grid))
+            print(describe(points[-1]), flush=True)
+            with open(os.path.join(args.out, "fp8_gemm_sweep.json"), "w") as f:
+                json.dump(dict(device=name, wall_s=time.time() - t0, points=points), f)
+
+
+if __name__ == "__main__":
+    main()
