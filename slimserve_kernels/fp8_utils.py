@@ -58,3 +58,12 @@ def e4m3_bits_to_fp16(b):
     b = b.to(tl.int16)
     h = ((b & 0x7F) << 7) | ((b & 0x80) << 8)
     return h.to(tl.float16, bitcast=True) * 256.0
+
+
+@triton.jit
+def fp32_to_bf16_rne(x):
+    """Round-to-nearest-even fp32 -> bf16 on integer bits (finite x). A GPU's cast already
+    rounds so; the interpreter's truncates, and the CPU tests compare bits with torch."""
+    b = x.to(tl.uint32, bitcast=True)
+    b = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+    return b.to(tl.uint16).to(tl.bfloat16, bitcast=True)

@@ -209,6 +209,10 @@ def fp8_gemm_launches(arch: int) -> list:
         for m in (1, 32, 64, 512):
             x = torch.zeros(m, 4096, dtype=torch.bfloat16)
             out += record(fp8_gemm, ["_fp8_gemm_kernel"], fp8_gemm.fp8_gemm, x, w, s, (128, 128))
+        # The M >= 1024 path: the one-pass dequantization (the cuBLAS matmul is not Triton).
+        names = ["_fp8_dequant_kernel"]
+        for dtype in (torch.bfloat16, torch.float16):
+            out += record(fp8_gemm, names, fp8_gemm.dequantize_fp8, w, s, (128, 128), dtype)
     finally:
         fp8_gemm._fp8_operand = real
     return out

@@ -72,3 +72,22 @@ def test_config_table():
     assert gemm.choose_config(4096, 4096, 4096, 128)["path"] == "dequant"
     assert gemm.choose_config(3, 72, 136, 136)["BLOCK_K"] == 64  # per channel: any BK
     assert gemm.choose_config(3, 72, 192, 32)["BLOCK_K"] == 32
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(
+    "block", [(128, 128), (1, 200), (1, 128), (32, 64)], ids=["b128", "channel", "rows", "b32x64"]
+)
+@pytest.mark.parametrize("bits", [False, True], ids=["fp8", "uint8"])
+def test_dequantize_bit_equal_to_reference(dtype, block, bits, monkeypatch):
+    """The prefill path's one-pass dequantization (N 130, K 200: partial tiles and scale
+    blocks) is bit for bit `reference.dequantize_fp8_blocks`, with the weight as native FP8
+    and as the e4m3 bits GPUs below sm_89 get."""
+    if bits:
+        monkeypatch.setattr(gemm, "_fp8_operand", lambda t: t.view(torch.uint8))
+    _, w, scale, _ = _problem(1, 130, 200, block, torch.float32, seed=block[1])
+    scale = scale * (1 + torch.rand(scale.shape, generator=torch.Generator().manual_seed(1)))
+    # (scales of full fp32 mantissas, as checkpoints have: a product rounded twice differs)
+    out = gemm.dequantize_fp8(w, scale, block, dtype)
+    ref = reference.dequantize_fp8_blocks(w, scale, block, dtype)
+    assert out.dtype == dtype and torch.equal(out, ref)
