@@ -9,7 +9,9 @@
 #   OUT=/tmp/gpu bash scripts/gpu_check.sh            # python3 = a python with torch + triton
 #   STAGES="tests sweep" T_SWEEP=150 OUT=/tmp/gpu bash scripts/gpu_check.sh
 #
-# At most 8 files land in $OUT (a lent machine returns no more).
+# At most 8 files land in $OUT (a lent machine returns no more). Run `fp8_sweep` in a call of
+# its own, after the others: its first try (2026-12-05, an H100) ended with the machine no
+# longer answering and nothing returned (cause unknown: the sweep's launches or the machine).
 set -u
 OUT="${OUT:-/tmp/slimserve-gpu}"
 PY="${PY:-python3}"
