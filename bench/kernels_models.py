@@ -8,7 +8,8 @@
 - `gemm`: FP8-block and INT4 (g128) W*A16 GEMMs, and W8A8 (FP8 per-token-group activations,
   quantization included: impl "w8a8"), vs BF16 at the projection shapes of Llama-3-8B,
   GLM-4.5 and Kimi K2. "w8a8" vs "fp8" (W8A16) per M is what sets `fp8_activations=auto`'s
-  rule (app/quant/fp8_activations.py, W8A8_MIN_N).
+  rule (app/quant/fp8_activations.py, W8A8_MIN_N). From 1,024 tokens "fp8-torch-dequant" times
+  W8A16's earlier prefill path (PyTorch dequantization, then cuBLAS) beside today's "fp8".
 - `seed_table`: the seed's comparisons (INT4 vs FP8 decode step, INT4 prefill penalty) per
   model from those rows: one layer's projection GEMMs + its routed experts (fused MoE).
 
@@ -186,6 +187,9 @@ def bench_gemm(shapes: dict, ms: list[int], device, dtype, time_ms) -> list[dict
                         partial(reference.fp8_w8a8_gemm, *b8),
                     ),
                 }
+                if m >= 1024:  # W8A16's prefill path before its one-pass Triton dequantization
+                    dq = partial(reference.dequantize_fp8_blocks, w8, s8, (128, 128), dtype)
+                    fns["fp8-torch-dequant"] = (lambda x=x, dq=dq: x @ dq().T, None)
                 for impl, (fn, ref) in fns.items():
                     row = dict(op="model_gemm", model=model, proj=proj, impl=impl, m=m, k=k, n=n)
                     if ref is not None:
@@ -253,11 +257,11 @@ def seed_markdown(table: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def w8a8_markdown(speedups: list[dict]) -> str:
-    """W8A8 over W8A16 per M: geometric mean, min and max over the models' projections."""
+def speedup_markdown(speedups: list[dict], what: str = "W8A8 / W8A16") -> str:
+    """A speedup per M: geometric mean, min and max over the models' projections."""
     import math
 
-    lines = ["| M | W8A8 / W8A16 speedup (geo. mean) | min | max |", "|---:|---:|---:|---:|"]
+    lines = [f"| M | {what} speedup (geo. mean) | min | max |", "|---:|---:|---:|---:|"]
     for m in sorted({s["m"] for s in speedups}):
         v = [s["speedup"] for s in speedups if s["m"] == m]
         geo = math.exp(sum(map(math.log, v)) / len(v))
