@@ -237,8 +237,8 @@ class EngineConfig:
     fp8_activations: str = opt(
         "auto",
         "FP8 weights on CUDA: w8a16 (bf16 activations), w8a8 (FP8 per-token-group activations),"
-        " auto (w8a8 where FP8 tensor cores and outputs of >= 1024 columns, measured on an"
-        " H100; app/quant/fp8_activations.py)",
+        " auto (w8a8 where FP8 tensor cores, outputs of >= 1024 columns and < 1024 tokens,"
+        " measured on an H100; app/quant/fp8_activations.py)",
         FP8_ACTIVATIONS,
     )
     attention_backend: str = opt("auto", "attention implementation", ATTENTION_BACKENDS)

@@ -5,7 +5,7 @@ without a GPU; an H100 run of bench/kernels.py timed it at 0.4-0.8x cuBLAS BF16 
 tokens, where FP8 tensor cores should beat BF16).
 
     python bench/fp8_gemm_sweep.py [--out DIR]     # needs CUDA; ~2-3 minutes
-    TRITON_INTERPRET=1 python bench/fp8_gemm_sweep.py --smoke --out /tmp/s   # plumbing only
+    python bench/fp8_gemm_sweep.py --smoke --out /tmp/s   # plumbing only, interpreted
 
 Writes fp8_gemm_sweep.json: per (M, K, N) every config's ms and relative error, cuBLAS BF16's
 ms, the current table's config and the fastest correct one.
@@ -104,6 +104,8 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     ap.add_argument("--smoke", action="store_true", help="tiny grid on CPU (interpreter)")
     args = ap.parse_args()
+    if args.smoke:  # before the first triton import
+        os.environ["TRITON_INTERPRET"] = "1"
     import torch
 
     grid = SMOKE if args.smoke else dict(shapes=SHAPES, ms=MS, tiles=TILES, warps=WARPS,

@@ -72,6 +72,7 @@ CONFIGS = {
     "int4 graphs": dict(weight_quant="int4"),
     "fp8 graphs": dict(weight_quant="fp8"),  # fp8_activations=auto: W8A8 on sm_89+, N >= 1024
     "fp8 w8a16 graphs": dict(weight_quant="fp8", fp8_activations="w8a16"),
+    "fp8 w8a8 graphs": dict(weight_quant="fp8", fp8_activations="w8a8"),
 }
 COMMON = dict(
     device="cuda",
@@ -236,6 +237,12 @@ def main() -> None:
     ap.add_argument("--models", default="default,llama-1b,glm-moe")
     ap.add_argument("--configs", default="", help="CONFIGS names, spaces as _, comma-separated")
     args = ap.parse_args()
+    wanted = [c for c in args.configs.split(",") if c]
+    unknown = set(wanted) - {name.replace(" ", "_") for name in CONFIGS}
+    if unknown:
+        raise SystemExit(
+            f"unknown --configs {sorted(unknown)}; known: {[c.replace(' ', '_') for c in CONFIGS]}"
+        )
     import torch
 
     if not torch.cuda.is_available():

@@ -9,7 +9,8 @@
 #   OUT=/tmp/gpu bash scripts/gpu_check.sh            # python3 = a python with torch + triton
 #   STAGES="tests sweep" T_SWEEP=150 OUT=/tmp/gpu bash scripts/gpu_check.sh
 #
-# At most 8 files land in $OUT (a lent machine returns no more). Run `fp8_sweep` in a call of
+# $OUT ends with the stages' logs and results-HHMMSS.tgz (a lent machine returns <= 8 files).
+# Run `fp8_sweep` in a call of
 # its own, after the others: its first try (2026-12-05, an H100) ended with the machine no
 # longer answering and nothing returned (cause unknown: the sweep's launches or the machine).
 set -u
@@ -45,4 +46,10 @@ stage gpu_engine "${T_ENGINE:-150}" "$PY" bench/gpu_engine.py --quick --out "$OU
 stage kernels "${T_KERNELS:-170}" "$PY" bench/kernels.py --quick --out "$OUT"
 stage sweep "${T_SWEEP:-150}" "$PY" bench/int4_gemv_sweep.py --out "$OUT"
 stage fp8_sweep "${T_FP8_SWEEP:-300}" "$PY" bench/fp8_gemm_sweep.py --out "$OUT"
+# A lent machine returns at most 8 files: the logs stay as they are, the rest (JSON, PNG) go
+# into one archive per run of this script (unpack with `tar xzf results-*.tgz`).
+others=$(cd "$OUT" && ls | grep -v -e '\.log$' -e '^results-.*\.tgz$')
+if [ -n "$others" ]; then
+	(cd "$OUT" && tar czf "results-$(date -u +%H%M%S).tgz" $others && rm -rf $others)
+fi
 tail -n 3 "$OUT"/*.log

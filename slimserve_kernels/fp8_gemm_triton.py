@@ -81,16 +81,21 @@ def _fp8_dequant_kernel(
     SBK: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    ONE_SCALE_COLUMN: tl.constexpr,  # the tile's K range lies in one scale column
 ):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    k0 = tl.program_id(1) * BLOCK_K
+    offs_k = k0 + tl.arange(0, BLOCK_K)
     n64 = offs_n.to(tl.int64)
     mask = (offs_n < N)[:, None] & (offs_k < K)[None, :]
     w = tl.load(w_ptr + n64[:, None] * stride_wn + offs_k[None, :], mask=mask, other=0.0)
     if w_ptr.dtype.element_ty == tl.uint8:  # e4m3 bits (GPUs without native fp8)
         w = e4m3_bits_to_fp16(w)
-    s_ptrs = s_ptr + (offs_n // SBN).to(tl.int64)[:, None] * stride_sn + (offs_k // SBK)[None, :]
-    s = tl.load(s_ptrs, mask=mask, other=0.0)  # [BN, BK], a few distinct values: cached
+    s_rows = s_ptr + (offs_n // SBN).to(tl.int64) * stride_sn  # [BN]
+    if ONE_SCALE_COLUMN:  # one scale per row of the tile (128 x 128 blocks, per channel)
+        s = tl.load(s_rows + k0 // SBK, mask=offs_n < N, other=0.0)[:, None]  # [BN, 1]
+    else:  # a scale per (row, column) of the tile (narrow K blocks)
+        s = tl.load(s_rows[:, None] + (offs_k // SBK)[None, :], mask=mask, other=0.0)
     # fp32 product, one rounding to the output dtype: the reference's `(w.float() * s).to()`
     out = w.to(tl.float32) * s
     if out_ptr.dtype.element_ty == tl.bfloat16:
@@ -111,7 +116,8 @@ def dequantize_fp8(
     n, k = weight.shape
     assert scale.dtype == torch.float32 and scale.stride(1) == 1 and weight.stride(1) == 1
     out = torch.empty(n, k, device=weight.device, dtype=dtype)
-    grid = (triton.cdiv(n, 64), triton.cdiv(k, 128))
+    bn, bk = 64, 128
+    grid = (triton.cdiv(n, bn), triton.cdiv(k, bk))
     _fp8_dequant_kernel[grid](
         _fp8_operand(weight),
         scale,
@@ -123,8 +129,9 @@ def dequantize_fp8(
         out.stride(0),
         SBN=block[0],
         SBK=block[1],
-        BLOCK_N=64,
-        BLOCK_K=128,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        ONE_SCALE_COLUMN=block[1] % bk == 0 or block[1] >= k,
     )
     return out
 

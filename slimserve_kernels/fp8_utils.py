@@ -62,8 +62,9 @@ def e4m3_bits_to_fp16(b):
 
 @triton.jit
 def fp32_to_bf16_rne(x):
-    """Round-to-nearest-even fp32 -> bf16 on integer bits (finite x). A GPU's cast already
-    rounds so; the interpreter's truncates, and the CPU tests compare bits with torch."""
+    """Round-to-nearest-even fp32 -> bf16 on integer bits. A GPU's cast already rounds so; the
+    interpreter's truncates, and the CPU tests compare bits with torch. NaN goes through the
+    cast (its bits + 0x7FFF could carry into the sign: 0x7FFFFFFF, a GPU's NaN, became -0)."""
     b = x.to(tl.uint32, bitcast=True)
     b = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
-    return b.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return tl.where(x != x, x.to(tl.bfloat16), b.to(tl.uint16).to(tl.bfloat16, bitcast=True))

@@ -1,4 +1,5 @@
-"""`Fp8Linear`: W8A16 drop-in for the model's linear layers; the weight stays FP8 in memory.
+"""`Fp8Linear`: FP8 drop-in for the model's linear layers (W8A16 or W8A8 by `fp8_activations`);
+the weight stays FP8 in memory.
 
 `weight [N, K] float8_e4m3fn` and `weight_scale_inv [ceil(N/bn), ceil(K/bk)] float32`
 (`W = weight * scale`, per block; DeepSeek-V3's name, although it multiplies). Blocks:

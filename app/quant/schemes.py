@@ -113,8 +113,8 @@ def _compressed_tensors(cfg: dict[str, Any]) -> QuantPlan:
 
 
 def _fp8_weights(name: str, w: dict[str, Any], plan: QuantPlan) -> None:
-    """float-quantized weights are FP8 e4m3, per tensor/channel or in blocks (W8A16 here:
-    input activation quantization, if configured, is not applied)."""
+    """float-quantized weights are FP8 e4m3, per tensor/channel or in blocks (the checkpoint's
+    input activation scheme, if configured, is not applied: `fp8_activations` decides)."""
     if w.get("type") != "float" or w.get("num_bits") != 8:
         found = f"type={w.get('type')!r} num_bits={w.get('num_bits')!r}"
         raise ValueError(f"float-quantized group {name}: only float 8-bit, found {found}")

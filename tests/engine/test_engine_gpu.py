@@ -1,7 +1,7 @@
 """The engine on a real GPU against independent references: transformers' logits for the
 dense and MoE families (Triton paged attention, Triton fused MoE, CUDA graphs on), and the
-CPU engine for FP8 / INT4 weights (the Triton W8A16 / W4A16 GEMMs vs the CPU's dequantize
-path, same quantized weights).
+CPU engine for FP8 / INT4 weights (the Triton W8A16 / W8A8 / W4A16 GEMMs vs the CPU's
+dequantize path, same quantized weights).
 
     TRITON_INTERPRET=0 .venv/bin/pytest tests/engine/test_engine_gpu.py -q
 

@@ -110,6 +110,22 @@ def test_fp8_gemm_gpu(m, block):
     assert ((out - ref).abs().max() / ref.abs().max()).item() < 1e-2
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("block", [(128, 128), (1, 4096), (1, 128), (32, 64)])
+def test_fp8_dequantize_gpu_bits(dtype, block):
+    """W8A16's prefill path (M >= 1024) dequantizes in one Triton pass: bit for bit the
+    PyTorch reference on the GPU too (one fp32 product, one rounding), native e4m3 or bits."""
+    gen = torch.Generator().manual_seed(block[1])
+    n, k = 4160, 4096  # N not a multiple of the 64-row tile
+    w = (torch.randn(n, k, generator=gen) * 64).clamp(-448, 448).to(FP8)
+    shape = (-(-n // block[0]), -(-k // block[1]))
+    s = torch.exp2(torch.randint(-14, -9, shape, generator=gen))
+    s = s * (1 + torch.rand(shape, generator=gen))  # full fp32 mantissas, as checkpoints have
+    w, s = _cuda((w, s.float()))
+    out = _mod("fp8_gemm_triton").dequantize_fp8(w, s, block, dtype)
+    assert torch.equal(out, reference.dequantize_fp8_blocks(w, s, block, dtype))
+
+
 @pytest.mark.parametrize("m", [1, 64, 300, 4096])
 @pytest.mark.parametrize("block", [(128, 128), (1, 4096)])
 def test_w8a8_gemm_gpu(m, block):

@@ -91,3 +91,15 @@ def test_dequantize_bit_equal_to_reference(dtype, block, bits, monkeypatch):
     out = gemm.dequantize_fp8(w, scale, block, dtype)
     ref = reference.dequantize_fp8_blocks(w, scale, block, dtype)
     assert out.dtype == dtype and torch.equal(out, ref)
+
+
+def test_dequantize_keeps_nan_in_bf16():
+    """A NaN scale whose mantissa bits are all set (the NaN a GPU's arithmetic makes) stays NaN
+    in bf16: rounding it on integer bits alone carried into the sign bit and gave -0.0. Seen
+    failing without the helper's NaN branch."""
+    _, w, scale, block = _problem(1, 130, 200, (128, 128), torch.float32)
+    scale[0, 1] = torch.tensor(0x7FFFFFFF, dtype=torch.int32).view(torch.float32)
+    out = gemm.dequantize_fp8(w, scale, block, torch.bfloat16)
+    ref = reference.dequantize_fp8_blocks(w, scale, block, torch.bfloat16)
+    assert torch.isnan(out[:128, 128:]).all() and torch.equal(out.isnan(), ref.isnan())
+    assert torch.equal(out.nan_to_num(), ref.nan_to_num())

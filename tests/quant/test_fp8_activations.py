@@ -8,18 +8,27 @@ import slimserve_kernels
 from app import LLM
 from app.quant import fp8_activations
 from app.quant.fp8 import quantize_fp8_block
-from app.quant.fp8_activations import W8A8_MIN_N, use_w8a8
+from app.quant.fp8_activations import DEQUANT_MIN_M, W8A8_MIN_N, use_w8a8
 from app.quant.fp8_linear import Fp8Linear
 from slimserve_kernels import reference
 
 
-def test_rule_auto_needs_fp8_tensor_cores_and_a_wide_enough_output(monkeypatch):
+def test_rule_auto_needs_fp8_tensor_cores_a_wide_output_and_under_1024_rows(monkeypatch):
     x = lambda m: torch.zeros(m, 8)  # noqa: E731
     assert use_w8a8("w8a8", x(1), 8) and not use_w8a8("w8a16", x(4096), 4096)
     assert not use_w8a8("auto", x(4096), 4096)  # CPU: no FP8 tensor cores
     monkeypatch.setattr(fp8_activations, "fp8_tensor_cores", lambda device: True)
     assert not use_w8a8("auto", x(4096), W8A8_MIN_N - 1)  # a narrow output stays W8A16
-    assert use_w8a8("auto", x(1), W8A8_MIN_N)  # any token count (decode included)
+    assert use_w8a8("auto", x(1), W8A8_MIN_N)  # decode sizes included
+    assert use_w8a8("auto", x(DEQUANT_MIN_M - 1), W8A8_MIN_N)
+    assert not use_w8a8("auto", x(DEQUANT_MIN_M), W8A8_MIN_N)  # W8A16's dequant + cuBLAS
+
+
+def test_rule_threshold_is_the_w8a16_dequant_threshold():
+    gemm = pytest.importorskip("slimserve_kernels.fp8_gemm_triton")
+    assert DEQUANT_MIN_M == gemm.DEQUANT_MIN_M
+    assert gemm.choose_config(DEQUANT_MIN_M, 4096, 4096, 128)["path"] == "dequant"
+    assert gemm.choose_config(DEQUANT_MIN_M - 1, 4096, 4096, 128)["path"] == "tiled"
 
 
 def test_auto_is_the_default():
