@@ -30,12 +30,15 @@ WARPS, STAGES = [4, 8], [2, 3, 4]
 SMOKE = dict(shapes=[(256, 96)], ms=[40], tiles=[(16, 32), (64, 64)], warps=[4], stages=[3])
 
 
-def configs(m: int, n: int, k: int, grid: dict):
+def configs(m: int, n: int, k: int, sms: int, grid: dict):
+    """Every tile x warps x stages, each with no split-K and with the table's split-K rule."""
     import triton
+
+    from slimserve_kernels.gemm_common import split_k
 
     for (bm, bn), warps, stages in itertools.product(grid["tiles"], grid["warps"], grid["stages"]):
         tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-        for split in sorted({1, max(1, min(triton.cdiv(2 * 132, tiles), k // 128 // 4, 16))}):
+        for split in sorted({1, split_k(tiles, triton.cdiv(k, 128), sms)}):
             yield dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, num_warps=warps, num_stages=stages,
                        split_k=split)  # fmt: skip
 
@@ -59,6 +62,7 @@ def sweep_point(m: int, k: int, n: int, gen, device: str, grid: dict) -> dict:
     import torch
 
     from slimserve_kernels import reference
+    from slimserve_kernels.device import num_sms
     from slimserve_kernels.fp8_act_quant_triton import quantize_fp8_token_groups
     from slimserve_kernels.fp8_w8a8_triton import choose_config, fp8_block_gemm
 
@@ -70,7 +74,8 @@ def sweep_point(m: int, k: int, n: int, gen, device: str, grid: dict) -> dict:
     q, qs = quantize_fp8_token_groups(x)
     ref = reference.fp8_block_gemm(q, qs, w, s, block, torch.float32)
     rows = []
-    for cfg in configs(m, n, k, grid):
+    sms = num_sms(x)
+    for cfg in configs(m, n, k, sms, grid):
         try:
             out = fp8_block_gemm(q, qs, w, s, block, torch.bfloat16, config=cfg).float()
         except Exception as e:  # shared memory / registers over the limit: not a candidate
@@ -82,7 +87,7 @@ def sweep_point(m: int, k: int, n: int, gen, device: str, grid: dict) -> dict:
     dense_w = torch.randn(n, k, generator=gen).to(torch.bfloat16).to(device)
     xd = x.to(device)
     dense_ms = bench(lambda: xd @ dense_w.T)
-    current = {"num_stages": 3, **choose_config(m, n, k, 128)}  # the launch default
+    current = {"num_stages": 3, **choose_config(m, n, k, 128, sms)}  # the launch default
     timed = [r for r in rows if "ms" in r]
     cur = next((r for r in timed if all(r.get(key) == v for key, v in current.items())), None)
     best = min((r for r in timed if r["rel_err"] < 1e-2), key=lambda r: r["ms"], default=None)

@@ -237,12 +237,10 @@ def main() -> None:
     ap.add_argument("--models", default="default,llama-1b,glm-moe")
     ap.add_argument("--configs", default="", help="CONFIGS names, spaces as _, comma-separated")
     args = ap.parse_args()
+    known = [name.replace(" ", "_") for name in CONFIGS]
     wanted = [c for c in args.configs.split(",") if c]
-    unknown = set(wanted) - {name.replace(" ", "_") for name in CONFIGS}
-    if unknown:
-        raise SystemExit(
-            f"unknown --configs {sorted(unknown)}; known: {[c.replace(' ', '_') for c in CONFIGS]}"
-        )
+    if unknown := sorted(set(wanted) - set(known)):
+        raise SystemExit(f"unknown --configs {unknown}; known: {known}")
     import torch
 
     if not torch.cuda.is_available():
@@ -258,7 +256,7 @@ def main() -> None:
         configs = CONFIGS if model != "default" else {k: CONFIGS[k] for k in CONFIGS if "bf16" in k}
         model_rows = []
         for name, options in configs.items():
-            if args.configs and name.replace(" ", "_") not in args.configs.split(","):
+            if wanted and name.replace(" ", "_") not in wanted:
                 continue
             for r in bench_config(paths[model], name, options, batches, gen, 4096):
                 model_rows.append({"model": model, **r})

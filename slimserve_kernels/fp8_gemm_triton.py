@@ -20,9 +20,15 @@ import torch
 import triton
 import triton.language as tl
 
-from slimserve_kernels.device import fp8_tensor_cores, num_sms
+from slimserve_kernels.device import DEQUANT_MIN_M, fp8_tensor_cores, num_sms
 from slimserve_kernels.fp8_utils import e4m3_bits_to_fp16, fp32_to_bf16_rne
-from slimserve_kernels.gemm_common import load_x_tile, output_tile, split_k_range, store_split
+from slimserve_kernels.gemm_common import (
+    load_x_tile,
+    output_tile,
+    split_k,
+    split_k_range,
+    store_split,
+)
 from slimserve_kernels.reference import FP8_DTYPE
 
 
@@ -136,9 +142,6 @@ def dequantize_fp8(
     return out
 
 
-DEQUANT_MIN_M = 1024  # as int4_gemm: from here W is dequantized once and cuBLAS runs
-
-
 def choose_config(m: int, n: int, k: int, sbk: int, num_sms: int = 132) -> dict:
     """Tiles and split-K for one problem: a fixed table (not autotuned), so the CPU tests run
     the configs the GPU runs. BLOCK_K divides the scale block along K. The tiles are the
@@ -150,7 +153,7 @@ def choose_config(m: int, n: int, k: int, sbk: int, num_sms: int = 132) -> dict:
     bm = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
     cfg = dict(path="tiled", BLOCK_M=bm, BLOCK_N=64, BLOCK_K=bk, num_warps=4 if bm <= 32 else 8)
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, 64)
-    cfg["split_k"] = max(1, min(triton.cdiv(2 * num_sms, tiles), triton.cdiv(k, bk) // 4, 16))
+    cfg["split_k"] = split_k(tiles, triton.cdiv(k, bk), num_sms)
     return cfg
 
 

@@ -26,7 +26,13 @@ import triton.language as tl
 from slimserve_kernels.device import fp8_tensor_cores, num_sms
 from slimserve_kernels.fp8_act_quant_triton import quantize_fp8_token_groups
 from slimserve_kernels.fp8_utils import e4m3_bits_to_fp16
-from slimserve_kernels.gemm_common import load_x_tile, output_tile, split_k_range, store_split
+from slimserve_kernels.gemm_common import (
+    load_x_tile,
+    output_tile,
+    split_k,
+    split_k_range,
+    store_split,
+)
 from slimserve_kernels.reference import FP8_DTYPE, FP8_GROUP
 
 
@@ -98,7 +104,7 @@ def choose_config(m: int, n: int, k: int, sbk: int, num_sms: int = 132) -> dict:
         bm, bn, warps = 128, 128, 8
     cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    cfg["split_k"] = max(1, min(triton.cdiv(2 * num_sms, tiles), triton.cdiv(k, bk) // 4, 16))
+    cfg["split_k"] = split_k(tiles, triton.cdiv(k, bk), num_sms)
     return cfg
 
 

@@ -37,3 +37,9 @@ def store_split(y_ptr, acc, rows, offs_m, offs_n, split, M, N, stride_ys, stride
     y_ptrs = y_ptr + split * stride_ys + rows[:, None] * stride_ym + offs_n[None, :]
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def split_k(tiles: int, k_tiles: int, num_sms: int) -> int:
+    """Splits of K for a tiled launch of `tiles` output tiles over `k_tiles` K tiles: enough
+    programs for two per SM, at least 4 K tiles per split, at most 16 splits."""
+    return max(1, min(triton.cdiv(2 * num_sms, tiles), k_tiles // 4, 16))

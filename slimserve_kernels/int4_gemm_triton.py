@@ -19,8 +19,14 @@ import torch
 import triton
 import triton.language as tl
 
-from slimserve_kernels.device import num_sms
-from slimserve_kernels.gemm_common import load_x_tile, output_tile, split_k_range, store_split
+from slimserve_kernels.device import DEQUANT_MIN_M, num_sms
+from slimserve_kernels.gemm_common import (
+    load_x_tile,
+    output_tile,
+    split_k,
+    split_k_range,
+    store_split,
+)
 
 
 @triton.jit
@@ -183,11 +189,6 @@ def dequantize_int4(qweight, scales, zeros, group_size: int, dtype: torch.dtype)
 
 
 GEMV_MAX_M = 4
-# From this M on, dequantize W once and call cuBLAS: the extra 2*N*K*2 bytes of traffic are
-# <10% of a compute-bound GEMM's time at M >= 1024 on an H100-class GPU, and cuBLAS beats a
-# fused-dequant Triton tile there. An estimate, not a measurement: bench/kernels.py times
-# both paths ("tiled" and "dequant") so this threshold can be set from data.
-DEQUANT_MIN_M = 1024
 
 
 def choose_config(m: int, n: int, k: int, num_sms: int = 132) -> dict:
@@ -203,15 +204,14 @@ def choose_config(m: int, n: int, k: int, num_sms: int = 132) -> dict:
         # bandwidth, below cuBLAS BF16 (slimserve_kernels/README.md).
         bm = triton.next_power_of_2(m)  # the [BM, BN, BK] product must fit in registers
         bk = 128 // bm
-        split_k = max(1, min(16, triton.cdiv(k, bk)))
-        return dict(path="gemv", BLOCK_M=bm, BLOCK_N=32, BLOCK_K=bk, split_k=split_k)
+        splits = max(1, min(16, triton.cdiv(k, bk)))
+        return dict(path="gemv", BLOCK_M=bm, BLOCK_N=32, BLOCK_K=bk, split_k=splits)
     bm = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
     # Chosen so sm_90 cubins do not spill (cuobjdump): <= 254 registers, no stack.
     big = dict(BLOCK_N=128, BLOCK_K=32, num_warps=8)
     cfg = dict(path="tiled", BLOCK_M=bm, **(big if bm == 128 else dict(BLOCK_N=64, BLOCK_K=64)))
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, cfg["BLOCK_N"])
-    k_tiles = triton.cdiv(k, cfg["BLOCK_K"])
-    cfg["split_k"] = max(1, min(triton.cdiv(2 * num_sms, tiles), k_tiles // 4, 16))
+    cfg["split_k"] = split_k(tiles, triton.cdiv(k, cfg["BLOCK_K"]), num_sms)
     return cfg
 
 

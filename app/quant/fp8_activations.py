@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from slimserve_kernels.device import fp8_tensor_cores  # the kernels' own test (sm_89+)
+# fp8_tensor_cores: the kernels' own test (sm_89+); DEQUANT_MIN_M: W8A16's dequantize-once
+# + cuBLAS from there
+from slimserve_kernels.device import DEQUANT_MIN_M, fp8_tensor_cores
 
 # Measured (an H100, 2026-12-05, `python bench/kernels.py --quick`, model_gemm rows, W8A8 ms
 # over W8A16 ms at 15 projections of Llama-3-8B, GLM-4.5 and Kimi K2; docs/quantization.md).
@@ -37,9 +39,6 @@ from slimserve_kernels.device import fp8_tensor_cores  # the kernels' own test (
 # single-GPU shapes; under TP the rule sees each shard's own N. One run, one GPU: re-read
 # from bench/kernels.py on each GPU a session is lent.
 W8A8_MIN_N = 1024
-# W8A16's dequantize-then-cuBLAS threshold (slimserve_kernels/fp8_gemm_triton.DEQUANT_MIN_M;
-# a test keeps them equal): not imported, so this module does not need Triton.
-DEQUANT_MIN_M = 1024
 
 
 def use_w8a8(mode: str, x: torch.Tensor, n: int) -> bool:
