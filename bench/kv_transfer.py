@@ -8,12 +8,15 @@ Llama-3-8B-sized FP8 chunks (L=32, Hkv=8, D=128, 256 tokens: 16.9 MB each), on o
     fetch    fetch_verified(verify_tag=False): object refs + framing/header/key/token checks
     import   kv_transfer.write_import into a paged KVCache (the first pass over the bytes)
 
-Two ways of computing the xxh3 tag, side by side in one run:
+Three ways of computing the xxh3 tag, side by side in one run:
 
-    same_pass   the tag fed layer by layer in the same pass as each copy, on the copying
-                thread (before; still what tensor-parallel replicas do)
+    copy_tag    the tag folded in the copy itself, each byte loaded once, copied and hashed
+                (slimserve_kernels/cpu_tag.py; what CPU replicas run where the C++ kernels
+                build)
+    same_pass   a torch copy of each layer, then the `xxhash` package over the copied bytes,
+                on the copying thread (the C++ kernels off; before the copy_tag)
     overlapped  each chunk's tag hashed on a second thread (the transfer worker's tagger)
-                while the copying thread moves on (xxh3 releases the GIL)
+                while the copying thread moves on (xxh3 releases the GIL; CUDA replicas)
 
 integrity = (encode with tag - encode without) + (import with tag check - without), the
 "without" runs being the same code with no hashing, on warm memory (so the difference is
@@ -46,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import os
 import statistics
@@ -60,7 +64,11 @@ from bench.kv_tag_probes import hash_calls_timed, hot_hash, rates  # noqa: E402
 
 L, HKV, D, TOKENS, BLOCK = 32, 8, 128, 256, 16
 CLOCKS = {"thread": time.thread_time, "wall": time.perf_counter, "process": time.process_time}
-MODES = ("same_pass", "overlapped")
+MODES = ("copy_tag", "same_pass", "overlapped")
+# Each mode's untagged baseline: the same copies with no tag (the C++ kernel's copies for
+# copy_tag, torch's for the others), so a mode's integrity is its hashing alone.
+BASELINE = {"copy_tag": "kernel", "same_pass": "torch", "overlapped": "torch"}
+BASELINES = ("kernel", "torch")
 
 
 def _timed(fn) -> dict[str, float]:
@@ -68,6 +76,23 @@ def _timed(fn) -> dict[str, float]:
     start = {name: clock() for name, clock in CLOCKS.items()}
     fn()
     return {name: clock() - start[name] for name, clock in CLOCKS.items()}
+
+
+@contextlib.contextmanager
+def kernel_for(mode: str | None):
+    """The C++ CPU kernels on for copy_tag (the tag in the copy) and its baseline ("kernel"),
+    off for every other mode (same_pass: a torch copy, then the package's xxh3)."""
+    from slimserve_kernels import cpu_build
+
+    before = os.environ.get(cpu_build.ENV)
+    os.environ[cpu_build.ENV] = "1" if mode in ("copy_tag", "kernel") else "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[cpu_build.ENV]
+        else:
+            os.environ[cpu_build.ENV] = before
 
 
 def _fmt(layout: str):
@@ -102,42 +127,52 @@ def parts(fmt, prompt, kv) -> tuple[list, dict[str, float]]:
     return out, _timed(make)
 
 
-def encode(chunk_parts, mode: str | None, tagger):
-    """(times, chunks): the chunk codec as encode_chunks calls it (same_pass:
-    KVChunk.from_tensors; overlapped: from_tensors_overlapped on the tagger); mode None:
-    the same copies into the same buffers with no hashing at all."""
+def encode(chunk_parts, mode: str, tagger):
+    """(times, chunks): the chunk codec as encode_chunks calls it (copy_tag, same_pass:
+    KVChunk.from_tensors; overlapped: from_tensors_overlapped on the tagger); a baseline
+    ("kernel", "torch"): the same copies into the same buffers with no hashing at all."""
     from app.kv import chunk as codec
 
-    if mode is None:
-        return _timed(lambda: [codec._wire(*part, None) for part in chunk_parts]), None
     got = []
-    if mode == "overlapped":
-        t = _timed(lambda: got.extend(codec.KVChunk.from_tensors_overlapped(chunk_parts, tagger)))
-    else:
-        t = _timed(lambda: got.extend(codec.KVChunk.from_tensors(*part) for part in chunk_parts))
+    with kernel_for(mode):
+        if mode in BASELINES:
+            return _timed(lambda: [codec._wire(*part, None) for part in chunk_parts]), None
+        if mode == "overlapped":
+            t = _timed(
+                lambda: got.extend(codec.KVChunk.from_tensors_overlapped(chunk_parts, tagger))
+            )
+        else:
+            t = _timed(
+                lambda: got.extend(codec.KVChunk.from_tensors(*part) for part in chunk_parts)
+            )
     return t, got
 
 
-def import_into(cache, fmt, chunks, mode: str | None, tagger) -> dict[str, float]:
-    """write_import of every chunk into fresh blocks; mode None: marked verified, so the
-    same writes run with no tag check."""
+def import_into(cache, fmt, chunks, mode: str, tagger) -> dict[str, float]:
+    """write_import of every chunk into fresh blocks; a baseline ("kernel", "torch"): marked
+    verified, so the same writes run with no tag check."""
     from app.engine import kv_transfer
     from app.engine.block_manager import ImportHold
 
     blocks = list(range(len(chunks) * TOKENS // BLOCK))
     hold = ImportHold(blocks, [None] * len(blocks), list(blocks))
-    if mode is None:
+    if mode in BASELINES:
         chunks = [dataclasses.replace(c, verified=True) for c in chunks]
     pool = tagger if mode == "overlapped" else None
-    return _timed(lambda: kv_transfer.write_import(cache, fmt, chunks, hold, pool))
+    with kernel_for(mode):
+        return _timed(lambda: kv_transfer.write_import(cache, fmt, chunks, hold, pool))
 
 
-def one_repeat(client, fmt, chunk_parts, new_cache, prompt, tagger) -> dict:
+def one_repeat(client, fmt, chunk_parts, new_cache, prompt, tagger, turn: int = 0) -> dict:
     from app.kvstore.transfer import fetch_verified, publish
 
-    enc: dict = {m: [] for m in (*MODES, None)}
+    enc: dict = {m: [] for m in (*MODES, *BASELINES)}
     chunks = None
-    for mode in (*MODES, None, None, *MODES[::-1], None):  # alternate: none always first
+    # Alternate, and rotate the order from repeat to repeat (turn): the first encode after
+    # the imports finds its source out of cache and fresh wire pages to fault in, which
+    # would otherwise always fall on the same mode.
+    modes = (*MODES[turn % len(MODES) :], *MODES[: turn % len(MODES)])
+    for mode in (*modes, *BASELINES, *modes[::-1], *BASELINES[::-1], *modes, *BASELINES):
         t, out = encode(chunk_parts, mode, tagger)
         enc[mode].append(t)
         chunks = out or chunks
@@ -149,10 +184,10 @@ def one_repeat(client, fmt, chunk_parts, new_cache, prompt, tagger) -> dict:
     fetch_s = time.perf_counter() - t
     assert not got.failures and not any(c.verified for c in got.chunks)
     cold = {m: import_into(new_cache(), fmt, got.chunks, m, tagger) for m in MODES}
-    warm: dict = {m: [] for m in (*MODES, None)}
+    warm: dict = {m: [] for m in (*MODES, *BASELINES)}
     cache = new_cache()
-    import_into(cache, fmt, got.chunks, None, tagger)  # first touch
-    for mode in (None, *MODES, *MODES[::-1], None):
+    import_into(cache, fmt, got.chunks, "torch", tagger)  # first touch
+    for mode in (*BASELINES, *modes, *BASELINES[::-1], *modes[::-1], *BASELINES, *modes):
         warm[mode].append(import_into(cache, fmt, got.chunks, mode, tagger))
     with hash_calls_timed() as encode_hashing:
         encode(chunk_parts, "same_pass", tagger)
@@ -164,8 +199,9 @@ def one_repeat(client, fmt, chunk_parts, new_cache, prompt, tagger) -> dict:
     out = {"publish_s": publish_s, "fetch_s": fetch_s, "hot_hash_wall_s": hot}
     out["hash_calls_encode_s"], out["hash_calls_import_s"] = encode_hashing[0], import_hashing[0]
     for clock in CLOCKS:
-        out[f"encode_untagged_{clock}_s"] = min(r[clock] for r in enc[None])
-        out[f"import_unchecked_{clock}_s"] = min(r[clock] for r in warm[None])
+        for base in BASELINES:  # three runs each, the least disturbed kept
+            out[f"encode_untagged_{base}_{clock}_s"] = min(r[clock] for r in enc[base])
+            out[f"import_unchecked_{base}_{clock}_s"] = min(r[clock] for r in warm[base])
         out[f"serial_verify_{clock}_s"] = serial[clock]
         for m in MODES:
             out[f"encode_{m}_{clock}_s"] = min(r[clock] for r in enc[m])
@@ -185,9 +221,13 @@ def shares(t: dict, mode: str, clock: str) -> dict:
     check_share: the same integrity of encode + publish + fetch + the import's check alone
     (no cache write: publish + fetch + verify, the producer's tag and its encode counted);
     reader_share: the import's check alone of publish + fetch + check (the old measure's
-    terms, the check in the import's pass instead of a pass of its own)."""
-    tag_encode = max(0.0, t[f"encode_{mode}_{clock}_s"] - t[f"encode_untagged_{clock}_s"])
-    tag_import = max(0.0, t[f"import_{mode}_{clock}_s"] - t[f"import_unchecked_{clock}_s"])
+    terms, the check in the import's pass instead of a pass of its own);
+    signed_share: integrity_share without flooring each end's difference at 0 (a tagged
+    copy measured faster than its untagged baseline shows as negative, not hidden)."""
+    base = BASELINE[mode]
+    signed_encode = t[f"encode_{mode}_{clock}_s"] - t[f"encode_untagged_{base}_{clock}_s"]
+    signed_import = t[f"import_{mode}_{clock}_s"] - t[f"import_unchecked_{base}_{clock}_s"]
+    tag_encode, tag_import = max(0.0, signed_encode), max(0.0, signed_import)
     moved = t[f"encode_{mode}_{clock}_s"] + t["publish_s"] + t["fetch_s"]
     transfer = moved + t[f"import_cold_{mode}_{clock}_s"]
     reader = t["publish_s"] + t["fetch_s"] + tag_import
@@ -199,6 +239,7 @@ def shares(t: dict, mode: str, clock: str) -> dict:
         "integrity_share": (tag_encode + tag_import) / transfer,
         "check_share": (tag_encode + tag_import) / (moved + tag_import),
         "reader_share": tag_import / reader,
+        "signed_share": (signed_encode + signed_import) / transfer,
     }
 
 
@@ -226,7 +267,7 @@ def spread(runs: list[dict]) -> dict:
     out = {}
     for key, first in per_run[0].items():
         names = (
-            ("integrity_share", "check_share", "reader_share")
+            ("integrity_share", "check_share", "reader_share", "signed_share")
             if isinstance(first, dict)
             else (None,)
         )
@@ -281,8 +322,8 @@ def measure(client, num_chunks: int, repeats: int) -> dict:
     try:
         with ThreadPoolExecutor(1, thread_name_prefix="kv-tag") as tagger:
             runs = [
-                one_repeat(client, fmt, chunk_parts, new_cache, prompt, tagger)
-                for _ in range(repeats)
+                one_repeat(client, fmt, chunk_parts, new_cache, prompt, tagger, turn)
+                for turn in range(repeats)
             ]
     finally:
         torch.set_num_threads(threads)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from app.kv.layout import KVCacheSpec
+from slimserve_kernels import cpu_tag
 
 
 class KVCache:
@@ -63,21 +64,46 @@ class KVCache:
         """One layer of whole blocks: (j, block_id) pairs take tokens [j*bs, (j+1)*bs) of
         kv [P, n, Hkv, D] (scales [P, n, Hkv] or None). An import writes layer by layer,
         checking the tag as it goes; runs of consecutive blocks are one copy each."""
-        bs, start = self.spec.block_size, 0
-        for end in range(1, len(blocks) + 1):
-            if end < len(blocks) and blocks[end] == (
-                blocks[end - 1][0] + 1,
-                blocks[end - 1][1] + 1,
-            ):
-                continue
-            (j, block), k = blocks[start], end - start
+        bs = self.spec.block_size
+        for j, block, k in _runs(blocks):
             tokens = slice(j * bs, (j + k) * bs)
             dst = _bits(self.kv[layer, :, block : block + k])  # [P, k, bs, Hkv, D]
             dst.copy_(_bits(kv[:, tokens].to(self.kv.dtype)).reshape(dst.shape))
             if self.scales is not None:
                 dst = self.scales[layer, :, block : block + k]
                 dst.copy_(scales[:, tokens].reshape(dst.shape))
-            start = end
+
+    def copies_in_kernel(self, kv: torch.Tensor) -> bool:
+        """Whether write_blocks can take kv [L, P, n, Hkv, D]: a CPU cache of kv's dtype, kv
+        contiguous (a chunk's payload), and the C++ copy built (slimserve_kernels/cpu_tag)."""
+        return (
+            self.kv.is_cpu
+            and kv.dtype == self.kv.dtype
+            and kv.is_contiguous()
+            and cpu_tag.available()
+        )
+
+    def write_blocks(
+        self, blocks: list[tuple[int, int]], kv, scales, tag: cpu_tag.CopyingTag | None = None
+    ) -> None:
+        """Every layer of whole blocks ((j, block_id) as in write_layer_blocks) in one C++
+        call per tensor (`copies_in_kernel(kv)` must hold). tag: fed every byte of kv, then
+        of scales, in payload order (the blocks not written too), in the same pass."""
+        runs = _runs(blocks)
+        cpu_tag.copy_blocks(kv, self.kv, runs, tag)
+        if self.scales is not None:
+            cpu_tag.copy_blocks(scales, self.scales, runs, tag)
+
+
+def _runs(blocks: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(j, block_id) pairs -> (j, first block_id, length) of runs consecutive in both."""
+    runs: list[tuple[int, int, int]] = []
+    for j, block in blocks:
+        if runs and runs[-1][0] + runs[-1][2] == j and runs[-1][1] + runs[-1][2] == block:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((j, block, 1))
+    return runs
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,7 @@ from app.kv.chunk import ChunkIntegrityError, ChunkMismatchError, KVChunk
 from app.kv.chunk_format import ChunkFormat
 from app.kv.keys import BlockHash, chain_hashes, chunk_hash, next_hash
 from app.kv.tagging import ThreadedTag
+from slimserve_kernels.cpu_tag import CopyingTag
 
 log = logging.getLogger(__name__)
 
@@ -114,8 +115,9 @@ def _write_chunk(
     cache: KVCache, chunk: KVChunk, todo: list[int], ids: list[int], bs: int, tagger
 ) -> Future | None:
     """Writes the chunk's blocks todo (offsets) into cache blocks ids. An unverified chunk's
-    tag is fed each layer right after that layer's write (its bytes are still in cache):
-    hashed here and checked at the end, or hashed on tagger (its tag's Future returned)."""
+    tag is computed in the write: folded into the C++ copy (a CPU cache where the kernels
+    build), or fed each layer right after that layer's write, or hashed on tagger (its
+    tag's Future returned); checked here at the end otherwise."""
     kv, scales = chunk.to_tensors()  # kv: [L, P, n, Hkv, D], CPU views of the payload
     if not cache.layer_writes:  # a TP shard: verify, then write_tokens splits the heads
         if not chunk.verified:
@@ -126,25 +128,36 @@ def _write_chunk(
                 [block_id], kv[:, :, sl], None if scales is None else scales[:, :, sl]
             )
         return None
+    in_kernel = cache.copies_in_kernel(kv)  # every layer in one C++ call per tensor
     hasher = None
     if not chunk.verified:
-        hasher = chunk.tag_hasher() if tagger is None else ThreadedTag(chunk.tag_hasher(), tagger)
-    per_layer = kv[0].numel() * kv.element_size()  # payload: kv layer by layer, then scales
-    pairs = list(zip(todo, ids))
-    for layer in range(kv.shape[0]):
-        piece = chunk.payload[layer * per_layer : (layer + 1) * per_layer]
-        sc = None if scales is None else scales[layer]
-        cache.write_layer_blocks(layer, pairs, kv[layer], sc)
-        if hasher is not None:
-            hasher.update(piece)  # just read by the write: still in cache
+        if tagger is not None:
+            hasher = ThreadedTag(chunk.tag_hasher(), tagger)
+        else:  # in the kernel: the tag folded into the copy, each byte read once
+            hasher = chunk.tag_hasher(copying=in_kernel)
+    if in_kernel and (hasher is None or isinstance(hasher, CopyingTag)):
+        cache.write_blocks(list(zip(todo, ids)), kv, scales, hasher)
+    else:
+        _write_layers(cache, chunk, kv, scales, list(zip(todo, ids)), hasher)
     if hasher is None:
         return None
-    if scales is not None:
-        hasher.update(chunk.payload[kv.numel() * kv.element_size() :])
     if tagger is not None:
         return hasher.finish()
     chunk.check_tag(hasher.intdigest())
     return None
+
+
+def _write_layers(cache: KVCache, chunk: KVChunk, kv, scales, pairs, hasher) -> None:
+    """The write layer by layer in torch ops, hasher (if any) fed each layer's payload bytes
+    right after its write (they are still in cache), then the scales'."""
+    per_layer = kv[0].numel() * kv.element_size()  # payload: kv layer by layer, then scales
+    for layer in range(kv.shape[0]):
+        sc = None if scales is None else scales[layer]
+        cache.write_layer_blocks(layer, pairs, kv[layer], sc)
+        if hasher is not None:
+            hasher.update(chunk.payload[layer * per_layer : (layer + 1) * per_layer])
+    if hasher is not None and scales is not None:
+        hasher.update(chunk.payload[kv.numel() * kv.element_size() :])
 
 
 def _verified_hashes(

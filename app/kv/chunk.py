@@ -15,6 +15,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 import msgpack
+import numpy as np
 import torch
 
 from app.kv.chunk_header import (
@@ -35,6 +36,8 @@ from app.kv.chunk_header import (
 )
 from app.kv.dtypes import kv_dtype
 from app.kv.tagging import ThreadedTag
+from slimserve_kernels import cpu_tag
+from slimserve_kernels.cpu_tag import CopyingTag
 
 __all__ = ["ChunkError", "ChunkIntegrityError", "ChunkMeta", "ChunkMismatchError", "KVChunk"]
 
@@ -67,8 +70,9 @@ class KVChunk:
         cls, meta: ChunkMeta, kv: torch.Tensor, scales: torch.Tensor | None = None
     ) -> KVChunk:
         """kv: [L, P, n, Hkv, D] in the dtype's storage; scales: [L, P, n, Hkv] (FP8 only).
-        The tag is computed in the same pass as the copy, on this thread."""
-        hasher = tag_hasher(meta, meta.payload_len())
+        The tag is computed in the same pass as the copy, on this thread (from a CPU kv: in
+        the copy itself, each byte read once, where the C++ tag is built)."""
+        hasher = tag_hasher(meta, meta.payload_len(), copying=kv.is_cpu)
         wire, payload = _wire(meta, kv, scales, hasher)
         return cls._sealed(meta, wire, payload, hasher.intdigest())
 
@@ -116,9 +120,10 @@ class KVChunk:
         header = msgpack.packb(self.header_dict(), use_bin_type=True)
         return b"".join((PREFIX.pack(MAGIC, len(header)), header, self.payload))
 
-    def tag_hasher(self):
-        """xxh3 fed this chunk's header: feed it payload pieces in order, then check_tag."""
-        return tag_hasher(self.meta, len(self.payload))
+    def tag_hasher(self, copying: bool = False):
+        """xxh3 fed this chunk's header: feed it payload pieces in order, then check_tag
+        (copying: one that can copy the pieces as it hashes them, where it is built)."""
+        return tag_hasher(self.meta, len(self.payload), copying)
 
     def check_tag(self, computed: int) -> None:
         if computed != self.tag:
@@ -220,7 +225,9 @@ def _wire(
         got = None if scales is None else (tuple(scales.shape), scales.dtype)
         raise ValueError(f"{dtype.name} chunk needs {dtype.scale} scales {scale_shape}: {got}")
     framing = pack_framing(meta, meta.payload_len())
-    wire = bytearray(len(framing) + meta.payload_len())  # the one copy out of the cache
+    # the one copy out of the cache; not zero-filled first (bytearray(n) would write every
+    # byte once more before the copy does)
+    wire = memoryview(np.empty(len(framing) + meta.payload_len(), dtype=np.uint8))
     wire[: len(framing)] = framing
     payload = memoryview(wire)[len(framing) :]
     _fill(payload, kv, scales, hasher)
@@ -230,17 +237,32 @@ def _wire(
 def _fill(payload: memoryview, kv: torch.Tensor, scales, hasher) -> None:
     """Copies kv [L, P, n, Hkv, D] then scales [L, P, n, Hkv] into payload one layer at a
     time, hashing each layer's bytes (hasher not None) right after its copy, while they are
-    still in cache."""
+    still in cache; or each of the two in one C++ call (`_in_kernel`) that, given a
+    CopyingTag, hashes in the copy (each byte read once)."""
     off = 0
     for t in (kv,) if scales is None else (kv, scales):
-        for layer in t.unbind(0):
-            size = layer.numel() * layer.element_size()
-            bits = _INT_OF_WIDTH[layer.element_size()]  # a plain copy (FP8 copy_ is slower)
-            dst = _view(payload[off : off + size], torch.uint8).view(bits)
-            dst.view(layer.shape).copy_(layer.view(bits))
-            if hasher is not None:
-                hasher.update(payload[off : off + size])
-            off += size
+        size = t.numel() * t.element_size()
+        bits = _INT_OF_WIDTH[t.element_size()]  # a plain copy (FP8 copy_ is slower)
+        dst = _view(payload[off : off + size], torch.uint8)
+        if _in_kernel(t, hasher):
+            cpu_tag.copy_planes(dst, t.view(bits), hasher)
+        else:
+            per_layer = size // t.shape[0]
+            for i, layer in enumerate(t.unbind(0)):
+                piece = dst[i * per_layer : (i + 1) * per_layer]
+                piece.view(bits).view(layer.shape).copy_(layer.view(bits))
+                if hasher is not None:
+                    hasher.update(payload[off + i * per_layer : off + (i + 1) * per_layer])
+        off += size
+
+
+def _in_kernel(t: torch.Tensor, hasher) -> bool:
+    """Whether t's copy (and its tag, if any) goes through the C++ copy_planes: a CPU tensor
+    whose planes t[l, p] are contiguous, with no hasher (the copy alone, where the kernels
+    build) or a CopyingTag."""
+    if not t.is_cpu or not t[0, 0].is_contiguous():
+        return False
+    return isinstance(hasher, CopyingTag) or (hasher is None and cpu_tag.available())
 
 
 def _dtype_name(name: str) -> str:

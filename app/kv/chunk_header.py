@@ -19,6 +19,7 @@ import xxhash
 
 from app.kv.dtypes import kv_dtype
 from app.kv.layout import KVLayout, LayoutError
+from slimserve_kernels import cpu_tag
 
 FORMAT_VERSION = 2  # 2: the header carries the prefix digest (app/kv/keys.py)
 MAGIC = b"SKVC"
@@ -148,10 +149,17 @@ def header_values(m: ChunkMeta, payload_len: int) -> dict:
     return dict(zip(_FIELDS, values))
 
 
-def tag_hasher(meta: ChunkMeta, payload_len: int) -> xxhash.xxh3_64:
-    """xxh3_64 fed the canonical header: feed it the payload, in order, in any pieces."""
-    canonical = list(header_values(meta, payload_len).values())
-    return xxhash.xxh3_64(msgpack.packb(canonical, use_bin_type=True))
+def tag_hasher(meta: ChunkMeta, payload_len: int, copying: bool = False):
+    """xxh3_64 fed the canonical header: feed it the payload, in order, in any pieces.
+
+    copying: for a caller that copies the payload on the CPU as it feeds it (the export's
+    encode, the import's cache write): the C++ tag that copies and hashes in one pass
+    (`slimserve_kernels.cpu_tag.CopyingTag`, the same digest) where it is built, else the
+    `xxhash` package's."""
+    prefix = msgpack.packb(list(header_values(meta, payload_len).values()), use_bin_type=True)
+    if copying and cpu_tag.available():
+        return cpu_tag.CopyingTag(prefix)
+    return xxhash.xxh3_64(prefix)
 
 
 def compute_tag(meta: ChunkMeta, payload: memoryview) -> int:

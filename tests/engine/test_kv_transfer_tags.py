@@ -1,6 +1,7 @@
 """Chunk tags hashed on a second thread (the transfer worker's tagger) give exactly what the
 same-pass tag gives: the same bytes on the wire, the same chunk rejected on import (no model,
-no Ray)."""
+no Ray). Every test runs with the C++ CPU kernels on (the same pass hashes inside the copies:
+slimserve_kernels/cpu_tag.py) and off (a copy, then the `xxhash` package)."""
 
 from concurrent.futures import ThreadPoolExecutor
 
@@ -13,9 +14,19 @@ from app.engine.kv_transfer import encode_chunks, write_import
 from app.kv.chunk import ChunkError, KVChunk
 from app.kv.chunk_format import ChunkFormat
 from app.kv.layout import KVCacheSpec
+from slimserve_kernels import cpu_tag
 
 FMT = ChunkFormat("tiny@1", KVCacheSpec(3, 2, 8, 4, "fp8_e4m3"), chunk_tokens=8)
 TOKENS = list(range(100, 124))  # three chunks of 8 tokens, two blocks each
+
+
+@pytest.fixture(autouse=True, params=["kernel on", "kernel off"])
+def kernel(request, monkeypatch):
+    if request.param == "kernel off":
+        monkeypatch.setenv("SLIMSERVE_CPU_KERNELS", "0")
+    elif not cpu_tag.available():
+        pytest.skip("the C++ CPU kernels did not build here")
+    return request.param
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +104,26 @@ def test_checked_and_cached_chunks_before_a_damaged_one(kv, tagger, overlapped):
     cache = KVCache(FMT.spec, 8, "cpu")
     valid, rejected = write_import(cache, FMT, offered, hold, tagger if overlapped else None)
     assert valid == 2 and [k for k, _ in rejected] == [chunks[1].key]
+
+
+def test_same_pass_copies_in_the_tag_when_the_kernel_is_on(kv, kernel, monkeypatch):
+    """With the kernel on, the encode and the import copy through the tag (each byte read
+    once); off, neither does. Either way every block is written and valid."""
+    calls = []
+    for name in ("copy_planes", "copy_blocks"):
+        real = getattr(cpu_tag, name)
+        monkeypatch.setattr(
+            cpu_tag, name, lambda *a, n=name, f=real: calls.append((n, a[-1] is not None)) or f(*a)
+        )
+    chunks = encode_chunks(FMT, TOKENS, *kv, b"salt")
+    offered = [KVChunk.decode(bytes(c.encode()), verify_tag=False) for c in chunks]
+    cache = KVCache(FMT.spec, 8, "cpu")
+    valid, bad = write_import(cache, FMT, offered, ImportHold(list(range(6)), [], list(range(6))))
+    assert (valid, bad) == (6, [])
+    on = kernel == "kernel on"
+    # with the tag (never without it: these chunks are all unverified)
+    assert {n for n, tagged in calls if tagged} == ({"copy_planes", "copy_blocks"} if on else set())
+    assert all(tagged for _, tagged in calls), calls
 
 
 def test_export_takes_the_chunk_hashes_the_block_manager_made(kv):

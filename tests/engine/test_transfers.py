@@ -257,18 +257,28 @@ def test_import_checks_the_tag_of_an_unverified_chunk(llama_path, exported, refe
     assert decode.blocks.num_free == decode.blocks.num_blocks
 
 
-@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "bfloat16"])
-def test_layer_writes_equal_block_writes(kv_dtype):
-    """The import's layer-by-layer write (runs of consecutive blocks, gaps, one block alone)
-    puts every byte where write_tokens puts it.
+@pytest.mark.parametrize("kernel", ["torch", "one_call", "one_call_tagged"])
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "bfloat16", "float32"])
+def test_layer_writes_equal_block_writes(kv_dtype, kernel):
+    """The import's write (layer by layer in torch ops, or every layer in one C++ call per
+    tensor: KVCache.write_blocks; runs of consecutive blocks, gaps, one block alone) puts
+    every byte where write_tokens puts it; with a tag (slimserve_kernels/cpu_tag.py: copied
+    and hashed in one pass) the tag is xxh3_64 of every kv byte, then every scale byte, in
+    order, the unwritten block's included.
 
     Seen failing: with each run taken from its last pair instead of its first, the copy of
-    the (1, 6), (2, 7) run raised (the wrong token slice for the run's shape)."""
+    the (1, 6), (2, 7) run raised (the wrong token slice for the run's shape); one call, with
+    the cache's plane offset computed without the layer's (every layer's blocks went to
+    layer 0)."""
     import torch
+    import xxhash
 
     from app.engine.kv_cache import KVCache
     from app.kv.layout import KVCacheSpec
+    from slimserve_kernels import cpu_tag
 
+    if kernel != "torch" and not cpu_tag.available():
+        pytest.skip("the C++ CPU kernels did not build here")
     spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, dtype=kv_dtype)
     kv = torch.randn(2, 2, 20, 2, 4).to(spec.dtype.storage)  # 5 blocks of a chunk
     scales = (
@@ -276,9 +286,18 @@ def test_layer_writes_equal_block_writes(kv_dtype):
     )
     pairs = [(0, 5), (1, 6), (2, 7), (4, 1)]  # chunk block 3 was cached: not written
     by_layer, by_block = KVCache(spec, 8, "cpu"), KVCache(spec, 8, "cpu")
-    for layer in range(2):
-        sc = None if scales is None else scales[layer]
-        by_layer.write_layer_blocks(layer, pairs, kv[layer], sc)
+    tag = cpu_tag.CopyingTag() if kernel == "one_call_tagged" else None
+    if kernel == "torch":
+        for layer in range(2):
+            sc = None if scales is None else scales[layer]
+            by_layer.write_layer_blocks(layer, pairs, kv[layer], sc)
+    else:
+        assert by_layer.copies_in_kernel(kv)
+        by_layer.write_blocks(pairs, kv, scales, tag)
+    if tag is not None:
+        payload = kv.view(torch.uint8).numpy().tobytes()
+        payload += b"" if scales is None else scales.numpy().tobytes()
+        assert tag.intdigest() == xxhash.xxh3_64_intdigest(payload)
     for j, block in pairs:
         sl = slice(j * 4, (j + 1) * 4)
         by_block.write_tokens([block], kv[:, :, sl], None if scales is None else scales[:, :, sl])

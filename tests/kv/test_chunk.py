@@ -33,7 +33,7 @@ def _tensors(kv_dtype: str, n: int = 8, seed: int = 0):
 
 def _encoded(kv_dtype: str = "fp8_e4m3") -> bytes:
     kv, scales = _tensors(kv_dtype)
-    return KVChunk.from_tensors(_meta(kv_dtype), kv, scales).encode()
+    return bytes(KVChunk.from_tensors(_meta(kv_dtype), kv, scales).encode())
 
 
 @pytest.mark.parametrize("kv_dtype", ["bfloat16", "float32", "fp8_e4m3"])
