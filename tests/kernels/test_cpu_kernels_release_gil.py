@@ -18,7 +18,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from slimserve_kernels import cpu_fused, cpu_linear, cpu_paged
+from slimserve_kernels import cpu_fused, cpu_linear, cpu_paged, cpu_tag
 
 CALLS, ATTEMPTS = 1000, 5
 
@@ -98,6 +98,25 @@ def test_paged_attention_and_kv_write_release_the_gil():
     k, v = torch.randn(batch, hkv, d), torch.randn(batch, hkv, d)
     slots = torch.arange(batch, dtype=torch.int64)
     assert another_thread_ran_during(lambda: ext.kv_write(k, v, kc, vc, None, None, slots))
+
+
+def test_kv_chunk_copies_and_their_tag_release_the_gil():
+    """The transfer worker copies a chunk while the step thread and the event loop run.
+    The extension is called directly: the Python wrappers make tensors, which can let
+    another thread in outside the kernel.
+
+    Seen failing: with copy_blocks' GIL release commented out."""
+    ext = _need(cpu_tag)
+    state = ext.state_new()
+    src = torch.randint(0, 255, (4, 2, 1 << 16), dtype=torch.uint8)
+    dst = torch.empty(1 << 19, dtype=torch.uint8)
+    assert another_thread_ran_during(lambda: ext.update(state, src))
+    assert another_thread_ran_during(lambda: ext.copy(state, dst, src))
+    assert another_thread_ran_during(lambda: ext.copy_planes(state, dst, src))
+    cache = torch.empty(4, 2, 16, 16, 256, dtype=torch.uint8)  # 16 blocks of 16 tokens
+    runs = torch.tensor([[0, 0, 16]], dtype=torch.int64)
+    assert another_thread_ran_during(lambda: ext.copy_blocks(state, src, cache, runs))
+    assert another_thread_ran_during(lambda: ext.copy_blocks(None, src, cache, runs))
 
 
 def test_the_probe_sees_a_call_that_keeps_the_gil():
