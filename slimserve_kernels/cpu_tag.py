@@ -46,9 +46,11 @@ def available() -> bool:
 @cache
 def load() -> ModuleType | None:
     """The compiled extension, or None (logged once) if it does not build here."""
-    return cpu_build.load_or_none(
-        WHAT, lambda: cpu_build.build("kv_tag_cpu", WHAT, log), FALLBACK, log
-    )
+    return cpu_build.load_or_none(WHAT, lambda: _build(), FALLBACK, log)
+
+
+def _build() -> ModuleType:
+    return cpu_build.build("kv_tag_cpu", WHAT, log)
 
 
 def _bytes(t: torch.Tensor | memoryview | bytes | bytearray) -> torch.Tensor:

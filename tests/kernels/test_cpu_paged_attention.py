@@ -9,11 +9,10 @@ value (NaN codes included) times 2**exponent, bit for bit.
 """
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from isa_rerun import rerun_under_isa
 
 from slimserve_kernels import cpu_paged, reference
 from slimserve_kernels.fp8_cpu import fp8_values
@@ -127,18 +126,8 @@ def test_other_instruction_set_copies_match_the_reference(isa):
     extend, every-code and view tests run again in a subprocess under each cap."""
     if cpu_paged.load().isa() == "baseline" and isa == "avx2":
         pytest.skip("this CPU has no AVX2")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     tests = "decode_matches or extend_matches or every_code or strided or isa_is_the_cap"
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", tests],
-        env={**os.environ, "SLIMSERVE_CPU_ISA": isa},
-        cwd=root,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert "31 passed" in run.stdout, run.stdout[-1000:]
+    rerun_under_isa(__file__, isa, tests, 31)
 
 
 def test_threads_give_the_same_bits():

@@ -6,14 +6,14 @@ and the import, whose tags and cache bytes must not change with the kernel on or
 
 from __future__ import annotations
 
+import logging
 import os
 import random
-import subprocess
-import sys
 
 import pytest
 import torch
 import xxhash
+from isa_rerun import rerun_under_isa
 
 from slimserve_kernels import cpu_tag
 
@@ -135,27 +135,7 @@ def test_other_instruction_set_copies_give_the_same_digest(isa):
     """The AVX2 and baseline copies, which other CPUs pick, rerun the digest tests here."""
     if cpu_tag.load().isa() == "baseline" and isa == "avx2":
         pytest.skip("this CPU has no AVX2")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            __file__,
-            "-k",
-            "bit_for_bit or isa_is_the_cap",
-        ],
-        env={**os.environ, "SLIMSERVE_CPU_ISA": isa},
-        cwd=root,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert "3 passed" in run.stdout, run.stdout[-1000:]
+    rerun_under_isa(__file__, isa, "bit_for_bit or isa_is_the_cap", 3)
 
 
 @pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "bfloat16", "float32"])
@@ -184,3 +164,37 @@ def test_chunks_are_the_same_with_the_kernel_off(kv_dtype, monkeypatch):
     off = codec.KVChunk.from_tensors(meta, kv, scales)
     assert bytes(on.encode()) == bytes(off.encode()) and on.tag == off.tag
     off.verify_tag()
+
+
+def test_failed_build_keeps_the_package_tag(monkeypatch, caplog):
+    """No compiler (the build raises): available() is False with one warning, and chunks
+    are still encoded, imported and checked, with the package's xxh3 and torch's copies."""
+    from app.engine.block_manager import ImportHold
+    from app.engine.kv_cache import KVCache
+    from app.engine.kv_transfer import encode_chunks, write_import
+    from app.kv.chunk import KVChunk
+    from app.kv.chunk_format import ChunkFormat
+    from app.kv.layout import KVCacheSpec
+
+    def no_compiler():
+        raise RuntimeError("no c++ compiler")
+
+    fmt = ChunkFormat("t", KVCacheSpec(2, 2, 8, 4, "fp8_e4m3"), 8)
+    kv = torch.randn(2, 2, 16, 2, 8).to(torch.float8_e4m3fn)
+    scales = torch.randint(-8, 4, (2, 2, 16, 2), dtype=torch.int8)
+    built = encode_chunks(fmt, list(range(16)), kv, scales, b"salt")
+    monkeypatch.setattr(cpu_tag, "_build", no_compiler)
+    cpu_tag.load.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger=cpu_tag.__name__):
+            assert not cpu_tag.available() and not cpu_tag.available()
+        assert sum("build failed" in r.message for r in caplog.records) == 1
+        chunks = encode_chunks(fmt, list(range(16)), kv, scales, b"salt")
+        assert [bytes(c.encode()) for c in chunks] == [bytes(c.encode()) for c in built]
+        offered = [KVChunk.decode(bytes(c.encode()), verify_tag=False) for c in chunks]
+        cache = KVCache(fmt.spec, 4, "cpu")
+        assert not cache.copies_in_kernel(kv)
+        hold = ImportHold(list(range(4)), [], list(range(4)))
+        assert write_import(cache, fmt, offered, hold) == (4, [])
+    finally:
+        cpu_tag.load.cache_clear()  # the next caller loads the real build again
