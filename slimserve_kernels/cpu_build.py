@@ -62,6 +62,25 @@ def _log_off(what: str, fallback: str, logger: logging.Logger) -> None:
     logger.info("%s: the C++ kernel is off (%s=0); using %s", what, ENV, fallback)
 
 
+def loader(
+    stem: str, what: str, fallback: str, logger: logging.Logger
+) -> tuple[Callable[[], bool], Callable[[], ModuleType | None]]:
+    """A kernel loader's (available, load) for csrc/<stem>.cpp: `load()` builds it at its
+    first call (cached; None, logged, where it cannot run), `available()` is on (ENV, read
+    on every call, so a test can switch it) and built. `what` names the kernel in log lines,
+    `fallback` what callers keep without it. A test makes the build fail by patching this
+    module's `build` and clearing `load`'s cache (`load.cache_clear()`)."""
+
+    @cache
+    def load() -> ModuleType | None:
+        return load_or_none(what, lambda: build(stem, what, logger), fallback, logger)
+
+    def available() -> bool:
+        return ready(enabled(), load, what, fallback, logger)
+
+    return available, load
+
+
 def load_or_none(what: str, build: Callable[[], ModuleType], fallback: str, logger):
     """A loader's cached `load()`: the built extension, or None (logged) where it cannot
     run: not x86-64, no compiler, a failed build. The caller keeps `fallback` then."""

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 from functools import cache
-from types import ModuleType
 
 import torch
 
@@ -32,16 +31,9 @@ log = logging.getLogger(__name__)
 ENV = cpu_build.ENV
 FALLBACK = "the torch path"
 WHAT = "CPU fused ops"
-
-
-def enabled() -> bool:
-    """False when SLIMSERVE_CPU_KERNELS is 0 / false / off."""
-    return cpu_build.enabled()
-
-
-def available() -> bool:
-    """Whether the fused ops can run: on, and built (the first call builds)."""
-    return cpu_build.ready(enabled(), load, WHAT, FALLBACK, log)
+# available(): on (SLIMSERVE_CPU_KERNELS) and built; load(): the extension (built at the
+# first call), or None where it does not build (logged once)
+available, load = cpu_build.loader("fused_cpu", WHAT, FALLBACK, log)
 
 
 def takes(*tensors: torch.Tensor) -> bool:
@@ -68,16 +60,6 @@ def vec_lanes() -> int:
     """Floats per vector of torch's own elementwise CPU kernels (16 under AVX512, else 8):
     which elements its silu takes in SLEEF's vector expf and which in the scalar expf."""
     return 16 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else 8
-
-
-@cache
-def load() -> ModuleType | None:
-    """The compiled extension, or None (logged once) if it does not build here."""
-    return cpu_build.load_or_none(WHAT, lambda: _build(), FALLBACK, log)
-
-
-def _build() -> ModuleType:
-    return cpu_build.build("fused_cpu", WHAT, log)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

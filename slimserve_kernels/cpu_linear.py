@@ -16,8 +16,6 @@ F.linear. The model's linears ask once, when their weights are packed
 from __future__ import annotations
 
 import logging
-from functools import cache
-from types import ModuleType
 
 import torch
 
@@ -28,27 +26,10 @@ log = logging.getLogger(__name__)
 ENV = cpu_build.ENV
 FALLBACK = "F.linear"
 WHAT = "CPU linear"
+# available(): on (SLIMSERVE_CPU_KERNELS) and built; load(): the extension (built at the
+# first call), or None where it does not build (logged once)
+available, load = cpu_build.loader("linear_cpu", WHAT, FALLBACK, log)
 PANEL = 32  # output columns per panel (kPanel in the source)
-
-
-def enabled() -> bool:
-    """False when SLIMSERVE_CPU_KERNELS is 0 / false / off."""
-    return cpu_build.enabled()
-
-
-def available() -> bool:
-    """Whether the kernel can run: on, and built (the first call builds)."""
-    return cpu_build.ready(enabled(), load, WHAT, FALLBACK, log)
-
-
-@cache
-def load() -> ModuleType | None:
-    """The compiled extension, or None (logged once) if it does not build here."""
-    return cpu_build.load_or_none(WHAT, lambda: _build(), FALLBACK, log)
-
-
-def _build() -> ModuleType:
-    return cpu_build.build("linear_cpu", WHAT, log)
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:

@@ -13,8 +13,6 @@ callers then keep the PyTorch path.
 from __future__ import annotations
 
 import logging
-from functools import cache
-from types import ModuleType
 
 import torch
 
@@ -25,26 +23,9 @@ log = logging.getLogger(__name__)
 ENV = cpu_build.ENV
 FALLBACK = "the torch path"
 WHAT = "CPU paged attention"
-
-
-def enabled() -> bool:
-    """False when SLIMSERVE_CPU_KERNELS is 0 / false / off."""
-    return cpu_build.enabled()
-
-
-def available() -> bool:
-    """Whether paged_attention_cpu can run: on, and built (the first call builds)."""
-    return cpu_build.ready(enabled(), load, WHAT, FALLBACK, log)
-
-
-@cache
-def load() -> ModuleType | None:
-    """The compiled extension, or None (logged once) if it does not build here."""
-    return cpu_build.load_or_none(WHAT, lambda: _build(), FALLBACK, log)
-
-
-def _build() -> ModuleType:
-    return cpu_build.build("paged_attention_cpu", WHAT, log)
+# available(): on (SLIMSERVE_CPU_KERNELS) and built; load(): the extension (built at the
+# first call), or None where it does not build (logged once)
+available, load = cpu_build.loader("paged_attention_cpu", WHAT, FALLBACK, log)
 
 
 def paged_attention_cpu(

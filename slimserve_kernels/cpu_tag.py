@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import logging
 import warnings
-from functools import cache
-from types import ModuleType
 
 import torch
 import xxhash
@@ -30,27 +28,10 @@ log = logging.getLogger(__name__)
 
 FALLBACK = "a copy, then xxhash over the copied bytes"
 WHAT = "CPU KV tag in the copy"
+# available(): on (SLIMSERVE_CPU_KERNELS) and built; load(): the extension (built at the
+# first call), or None where it does not build (logged once)
+available, load = cpu_build.loader("kv_tag_cpu", WHAT, FALLBACK, log)
 SHORT_MAX = 240  # xxh3 hashes inputs up to this many bytes by other formulas: the package does
-
-
-def enabled() -> bool:
-    """False when SLIMSERVE_CPU_KERNELS is 0 / false / off."""
-    return cpu_build.enabled()
-
-
-def available() -> bool:
-    """Whether the fused copy-and-hash can run: on, and built (the first call builds)."""
-    return cpu_build.ready(enabled(), load, WHAT, FALLBACK, log)
-
-
-@cache
-def load() -> ModuleType | None:
-    """The compiled extension, or None (logged once) if it does not build here."""
-    return cpu_build.load_or_none(WHAT, lambda: _build(), FALLBACK, log)
-
-
-def _build() -> ModuleType:
-    return cpu_build.build("kv_tag_cpu", WHAT, log)
 
 
 def _bytes(t: torch.Tensor | memoryview | bytes | bytearray) -> torch.Tensor:

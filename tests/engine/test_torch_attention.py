@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from app.engine import torch_attention
-from slimserve_kernels import cpu_paged, reference
+from slimserve_kernels import cpu_build, cpu_paged, reference
 
 
 @pytest.fixture(params=["kernel", "torch"])
@@ -159,10 +159,10 @@ def test_failed_build_falls_back(monkeypatch, caplog):
     """No compiler (the build raises): available() is False with one warning, and the
     engine's per-step path takes the PyTorch attention."""
 
-    def no_compiler():
+    def no_compiler(*args):
         raise RuntimeError("no c++ compiler")
 
-    monkeypatch.setattr(cpu_paged, "_build", no_compiler)
+    monkeypatch.setattr(cpu_build, "build", no_compiler)
     cpu_paged.load.cache_clear()
     try:
         with caplog.at_level(logging.WARNING, logger=cpu_paged.__name__):

@@ -20,7 +20,7 @@ from app.models.layers import (
     pack_cpu_linears,
     unpack_cpu_linears,
 )
-from slimserve_kernels import cpu_linear
+from slimserve_kernels import cpu_build, cpu_linear
 
 TOL = dict(rtol=1e-4, atol=1e-4)
 
@@ -132,10 +132,10 @@ def test_failed_build_falls_back(monkeypatch, caplog):
     """No compiler (the build raises): available() is False with one warning, nothing is
     packed, and the linears keep F.linear."""
 
-    def no_compiler():
+    def no_compiler(*args):
         raise RuntimeError("no c++ compiler")
 
-    monkeypatch.setattr(cpu_linear, "_build", no_compiler)
+    monkeypatch.setattr(cpu_build, "build", no_compiler)
     cpu_linear.load.cache_clear()
     try:
         with caplog.at_level(logging.WARNING, logger=cpu_linear.__name__):

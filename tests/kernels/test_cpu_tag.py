@@ -15,7 +15,7 @@ import torch
 import xxhash
 from isa_rerun import rerun_under_isa
 
-from slimserve_kernels import cpu_tag
+from slimserve_kernels import cpu_build, cpu_tag
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -176,14 +176,14 @@ def test_failed_build_keeps_the_package_tag(monkeypatch, caplog):
     from app.kv.chunk_format import ChunkFormat
     from app.kv.layout import KVCacheSpec
 
-    def no_compiler():
+    def no_compiler(*args):
         raise RuntimeError("no c++ compiler")
 
     fmt = ChunkFormat("t", KVCacheSpec(2, 2, 8, 4, "fp8_e4m3"), 8)
     kv = torch.randn(2, 2, 16, 2, 8).to(torch.float8_e4m3fn)
     scales = torch.randint(-8, 4, (2, 2, 16, 2), dtype=torch.int8)
     built = encode_chunks(fmt, list(range(16)), kv, scales, b"salt")
-    monkeypatch.setattr(cpu_tag, "_build", no_compiler)
+    monkeypatch.setattr(cpu_build, "build", no_compiler)
     cpu_tag.load.cache_clear()
     try:
         with caplog.at_level(logging.WARNING, logger=cpu_tag.__name__):
