@@ -2,17 +2,20 @@
 
 Each source is one torch extension, built once per torch version and source with
 `torch.utils.cpp_extension.load` into torch's extensions directory (`TORCH_EXTENSIONS_DIR`,
-default ~/.cache/torch_extensions). The name carries a digest of the source and the torch
-version, so a changed source or torch rebuilds instead of loading a stale module; the source
-is compiled from a copy inside the build directory, so checkouts at other paths (git
-worktrees, a CI clone) with the same source share one build instead of rebuilding it in
-turn. Concurrent first builds (several processes or Ray replicas) are serialized by an
-`fcntl` lock beside the build directory, which the kernel releases if its holder dies;
-torch's own lock file (`lock`, left behind by a build that was killed, on which every later
-`load` would wait forever) is removed under it. A
-build takes no -march flag: each source compiles its hot functions for AVX-512, AVX2 and
-baseline x86-64 (target attributes) and picks one at run time, so a cached build runs on any
-x86-64 CPU.
+default ~/.cache/torch_extensions). The name carries a digest of the source, the torch
+version and the torch install's path, so a changed source or torch rebuilds instead of
+loading a stale module; the source is compiled from a copy inside the build directory, so
+checkouts at other paths (git worktrees) of one venv with the same source share one build
+instead of rebuilding it in turn. Two venvs (a CI clone's and a developer's) get a build
+each: torch writes the venv's include and library paths into the build's `build.ninja`, so
+one shared build directory was rebuilt every time the other venv loaded it (seen: a CLI
+test timing out behind the other venv's rebuild lock). Concurrent first builds (several
+processes or Ray replicas) are serialized by an `fcntl` lock beside the build directory,
+which the kernel releases if its holder dies; torch's own lock file (`lock`, left behind by
+a build that was killed, on which every later `load` would wait forever) is removed under
+it. A build takes no -march flag: each source compiles its hot functions for AVX-512, AVX2
+and baseline x86-64 (target attributes) and picks one at run time, so a cached build runs on
+any x86-64 CPU.
 
 `SLIMSERVE_CPU_KERNELS=0` turns every C++ CPU kernel off (read on every call, so a test can
 switch it); callers then keep their PyTorch path.
@@ -101,15 +104,21 @@ def supported(what: str, logger: logging.Logger) -> bool:
     return False
 
 
+def build_name(stem: str, source: bytes) -> str:
+    """The extension's name, which keys its build directory: a changed source, torch
+    version or torch install (another venv) builds anew."""
+    where = (torch.__version__ + os.path.dirname(torch.__file__)).encode()
+    return f"slimserve_{stem}_{hashlib.sha256(source + where + _LAYOUT).hexdigest()[:12]}"
+
+
 def build(stem: str, what: str, logger: logging.Logger) -> ModuleType:
     """Builds (or loads the cached build of) csrc/<stem>.cpp; raises if it does not build.
     `what` names the kernel in the log lines."""
     from torch.utils import cpp_extension
 
     source = os.path.join(CSRC, f"{stem}.cpp")
-    with open(source, "rb") as f:  # the name keys the cache: a changed source or torch rebuilds
-        digest = hashlib.sha256(f.read() + torch.__version__.encode() + _LAYOUT).hexdigest()
-    name = f"slimserve_{stem}_{digest[:12]}"
+    with open(source, "rb") as f:
+        name = build_name(stem, f.read())
     build_dir = cpp_extension._get_build_directory(name, verbose=False)  # torch's own layout
     # A first build takes tens of seconds of one core (three instruction-set copies); say
     # so, or the first step that uses it looks hung. A cached build loads in well under 1 s.

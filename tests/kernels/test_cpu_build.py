@@ -78,3 +78,20 @@ def test_two_checkouts_of_one_source_share_one_build(tmp_path):
     second = build(checkout(tmp_path, "worktree"), extensions)
     assert second == first
     assert os.stat(second).st_mtime_ns == built_at  # loaded, not rebuilt
+
+
+def test_another_venv_builds_its_own(monkeypatch):
+    """torch writes its install's paths into build.ninja: two venvs sharing one build
+    directory rebuilt it each time the other loaded it. The name now differs per install
+    (and per source), not per checkout.
+
+    Seen failing: with the install path left out of the name."""
+    import torch
+
+    from slimserve_kernels import cpu_build
+
+    here = cpu_build.build_name("x", b"source")
+    assert cpu_build.build_name("x", b"source") == here
+    assert cpu_build.build_name("x", b"other source") != here
+    monkeypatch.setattr(torch, "__file__", "/another/venv/site-packages/torch/__init__.py")
+    assert cpu_build.build_name("x", b"source") != here
