@@ -178,7 +178,7 @@ def test_model_logits_equal_with_kernels_off(
     assert calls["rotary_"] or family == "deepseek_v3"  # MLA keeps its interleaved torch RoPE
     # Only these ops off: SLIMSERVE_CPU_KERNELS=0 would switch the C++ attention off too,
     # whose sums run in another order than the torch reference's.
-    monkeypatch.setattr(cpu_fused, "enabled", lambda: False)
+    monkeypatch.setattr(cpu_fused, "available", lambda: False)
     scores.append(LLM(path, dtype="float32", device="cpu").engine.score(ids))
     assert torch.equal(scores[0], scores[1])
 
