@@ -67,10 +67,9 @@ class CopyingTag:
         self._ext.copy(self._state, dst, src)
 
     def intdigest(self) -> int:
-        total = self._ext.total(self._state)
-        if total <= SHORT_MAX:  # the state kept a short input's bytes: its own formulas
-            head = self._state[_HEAD_AT : _HEAD_AT + total]
-            return xxhash.xxh3_64_intdigest(head.numpy().tobytes())
+        if self._ext.total(self._state) <= SHORT_MAX:  # a short input: its own formulas,
+            # over the bytes the state kept
+            return xxhash.xxh3_64_intdigest(self._ext.head(self._state).numpy().tobytes())
         return self._ext.digest(self._state) & 0xFFFF_FFFF_FFFF_FFFF
 
 
@@ -93,8 +92,3 @@ def copy_blocks(
     order, the blocks not written too, in the same pass."""
     table = torch.tensor(runs, dtype=torch.int64).view(-1, 3)
     load().copy_blocks(None if tag is None else tag._state, src, cache, table)
-
-
-# Byte offset of State::head in csrc/kv_tag_cpu.cpp: acc (64) + total, stripes, held (24)
-# + tail (64) + last (64).
-_HEAD_AT = 64 + 24 + 64 + 64

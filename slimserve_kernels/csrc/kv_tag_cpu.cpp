@@ -229,6 +229,10 @@ const uint8_t* bytes_of(const torch::Tensor& t, const char* what) {
   return static_cast<const uint8_t*>(t.data_ptr());
 }
 
+uint8_t* writable(const torch::Tensor& t, const char* what) {
+  return static_cast<uint8_t*>(const_cast<void*>(static_cast<const void*>(bytes_of(t, what))));
+}
+
 int64_t nbytes(const torch::Tensor& t) { return t.numel() * t.element_size(); }
 
 // Feeds n bytes at src (stored to dst as well when dst is set).
@@ -295,8 +299,7 @@ void update(torch::Tensor state, torch::Tensor src) {
 void copy(torch::Tensor state, torch::Tensor dst, torch::Tensor src) {
   TORCH_CHECK(nbytes(dst) == nbytes(src), "kv_tag.copy: dst has ", nbytes(dst),
               " bytes, src ", nbytes(src));
-  auto* out = static_cast<uint8_t*>(const_cast<void*>(static_cast<const void*>(bytes_of(dst, "dst"))));
-  feed(state_of(state), bytes_of(src, "src"), out, nbytes(src));
+  feed(state_of(state), bytes_of(src, "src"), writable(dst, "dst"), nbytes(src));
 }
 
 // Copies n bytes at src to dst (when dst is set), hashing them into st (when st is set).
@@ -310,10 +313,6 @@ static void put(State* st, const uint8_t* src, uint8_t* dst, int64_t n) {
 
 static State* maybe_state(const c10::optional<torch::Tensor>& state) {
   return state.has_value() ? state_of(*state) : nullptr;
-}
-
-static uint8_t* writable(const torch::Tensor& t, const char* what) {
-  return static_cast<uint8_t*>(const_cast<void*>(static_cast<const void*>(bytes_of(t, what))));
 }
 
 // Copies src [A, B, ...] plane by plane (src[a, b] contiguous, any strides over A and B:
@@ -395,6 +394,16 @@ void copy_only(torch::Tensor dst, torch::Tensor src) {
 
 int64_t total(torch::Tensor state) { return state_of(state)->total; }
 
+// A copy of the input's first min(total, 240) bytes: all of a short input, which xxh3
+// hashes by other formulas (the Python side gives them to the package).
+torch::Tensor head(torch::Tensor state) {
+  const State* st = state_of(state);
+  const int64_t n = std::min<int64_t>(st->total, kShortMax);
+  auto out = torch::empty({n}, torch::kUInt8);
+  std::memcpy(out.data_ptr<uint8_t>(), st->head, n);
+  return out;
+}
+
 // xxh3_64 of everything fed, as the int64 with the digest's bits; only for totals over 240
 // bytes (the Python side hashes shorter inputs from `head`).
 int64_t digest(torch::Tensor state) {
@@ -429,6 +438,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("copy_blocks", &copy_blocks, "copy a chunk's blocks into a paged cache (and hash them)");
   m.def("copy_only", &copy_only, kNoGil, "the same copy without the hash (a baseline)");
   m.def("total", &total, "bytes fed");
+  m.def("head", &head, "the first min(total, 240) bytes fed");
   m.def("digest", &digest, "xxh3_64 of the bytes fed (over 240 bytes), as int64 bits");
   m.def("isa", &isa_name, "the instruction set the stripe loop runs with on this CPU");
 }
