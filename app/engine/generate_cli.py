@@ -23,7 +23,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from app import LLM, SamplingParams
+    from app.engine.llm import LLM
+    from app.engine.sampling_params import SamplingParams
     from app.options import given_options
 
     try:
