@@ -3,12 +3,11 @@ once by another, through a small async actor beside the store shards.
 
 The disaggregated path hands a prefill's result (its first token and the prompt's KV chunk
 refs) to the decode replica that continues the request. The ingress cannot carry one with
-refs: its calls to both replicas may go over the direct call channel
-(app/serve/call_wire.py), which pickles outside Ray, and a Ray `ObjectRef` pickled outside
-Ray is pinned for its owner's life (Ray's documented anti-pattern). (A result whose KV is
-in-band, no ref, the ingress delivers itself, or posts here for a decode call placed
-through Serve: app/serve/result_hand_over.py.) Through this actor the refs travel as Ray call
-arguments and results, so Ray counts them: the box borrows them until they are taken.
+refs: Serve's by-value transport between deployments (RAY_SERVE_THROUGHPUT_OPTIMIZED)
+pickles call results outside Ray, and a Ray `ObjectRef` pickled outside Ray is pinned for
+its owner's life (Ray's documented anti-pattern). Through this actor the refs travel as Ray
+call arguments and results, so Ray counts them: the box borrows them until they are taken.
+(A result whose KV is in-band, no ref, comes back to the ingress, which posts it here.)
 
 Either side may come first: a take waits (bounded, ``wait_s``; the caller asks again) for
 the post, and a post waits (``ttl_s``) for its take. A taker that gives up (the decode call

@@ -45,7 +45,6 @@ def _engine_deployment(cls, cfg: ServeArgs, replicas: int, role: str):
         request_router_kwargs={
             "role": role,
             "chunk_tokens": cfg.engine.chunk_tokens,
-            "deployment": cls.name,  # the direct call channel finds the router by it
         },
         request_routing_stats_period_s=cfg.routing_stats_period_s,
     )

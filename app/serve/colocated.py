@@ -8,8 +8,6 @@ from collections.abc import AsyncIterator
 from ray import serve
 
 from app.engine.request import RequestDelta
-from app.serve.delta_outbox import stream_to
-from app.serve.delta_wire import ReplyTo, StreamSummary
 from app.serve.engine_replica import EngineReplica
 from app.serve.messages import GenerateRequest
 from app.serve.streaming import coalesce
@@ -20,7 +18,7 @@ class EngineServer(EngineReplica):
     role = "colocated"
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestDelta]:
-        """Streams the deltas back through Serve (`delta_channel: serve`)."""
+        """Streams the choice's deltas back through Serve."""
         host = self.host
         host.inflight_tokens += len(req.prompt_token_ids)
         try:
@@ -32,30 +30,3 @@ class EngineServer(EngineReplica):
                     yield delta
         finally:
             host.inflight_tokens -= len(req.prompt_token_ids)
-
-    async def generate_to(self, req: GenerateRequest, reply_to: ReplyTo) -> StreamSummary:
-        """Sends the deltas to the ingress's inbox (`delta_channel: socket`, one frame per
-        engine step for all of that ingress's requests); returns once the final delta is
-        on the wire. Serve counts the request as ongoing until then; cancelling this call
-        aborts the engine request at once. Runs once the call has one of the replica's
-        slots, which it shares with direct calls (app/serve/slots.py)."""
-        async with self.slots.held():
-            return await self.run_generate_to(req, reply_to)
-
-    async def run_generate_to(self, req: GenerateRequest, reply_to: ReplyTo) -> StreamSummary:
-        """`generate_to` with its slot held (the direct call channel runs this)."""
-        host = self.host
-        link = await self.outbox.link(reply_to)
-        tokens = 0
-
-        def on_delta(delta: RequestDelta) -> None:
-            nonlocal tokens
-            tokens += len(delta.new_token_ids)
-            link.send(delta)
-
-        host.inflight_tokens += len(req.prompt_token_ids)
-        try:
-            await stream_to(link, host.async_engine.run(req.engine_request(), on_delta))
-        finally:
-            host.inflight_tokens -= len(req.prompt_token_ids)
-        return StreamSummary(req.request_id, tokens)

@@ -112,25 +112,10 @@ class ServeArgs(BaseModel):
     # HTTP bodies above this get 413 before they are parsed or tokenized.
     max_request_bytes: int = Field(default=8 << 20, gt=0)
     request_timeout_s: float = Field(default=300.0, gt=0)
-    # Streaming with delta_channel "serve": tokens queued while the ingress lags always
-    # share one delta; > 0 also holds later tokens up to this long so they share one
-    # (fewer Ray items per token, coarser events; app/serve/streaming.py,
-    # docs/performance.md). The socket channel sends a frame per engine step instead.
+    # Streaming: tokens queued while the ingress lags always share one delta; > 0 also
+    # holds later tokens up to this long so they share one (fewer Serve stream items per
+    # token, coarser events; app/serve/streaming.py).
     stream_interval_s: float = Field(default=0.0, ge=0, le=1.0)
-    # How deltas get from the engine replicas to the ingress: "socket" sends every
-    # request's deltas of one engine step in one frame over one TCP connection per
-    # (ingress, replica) pair (the ingress listens on its node's IP, ephemeral port, token;
-    # stream_interval_s does not apply); "serve" streams each request through Serve
-    # (for clusters where replicas cannot connect to the ingress's node). docs/performance.md
-    delta_channel: Literal["socket", "serve"] = "socket"
-    # How the ingress places a choice's calls on the engine replicas (colocated: the
-    # engine's; disaggregated: the prefill's and the decode's): "socket" over one TCP
-    # connection per (ingress, replica) pair (the replica listens on its node's IP,
-    # ephemeral port, token, and advertises the address in its routing stats), with a
-    # Serve handle call as the fallback (no replica known yet, all full, unreachable);
-    # "serve": always a Serve handle call. Applies with delta_channel "socket" only.
-    # app/serve/call_wire.py, docs/performance.md
-    call_channel: Literal["socket", "serve"] = "socket"
 
     @model_validator(mode="after")
     def _queue_bound(self) -> ServeArgs:

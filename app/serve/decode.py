@@ -4,7 +4,6 @@ replica then prefills it too, as a colocated engine does (ServeArgs.local_prefil
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import logging
@@ -13,14 +12,8 @@ from collections.abc import AsyncIterator
 from ray import serve
 
 from app.engine.request import Request, RequestDelta
-from app.kvstore.handoff import TAKE_WITHIN_S, HandOffLost
-from app.serve.call_port import call_mail
-from app.serve.delta_outbox import stream_to
-from app.serve.delta_wire import ReplyTo, StreamSummary
 from app.serve.engine_replica import EngineReplica
-from app.serve.messages import DecodeRequest, PrefillResult
-from app.serve.metrics import RequestTimer
-from app.serve.responses import DONE_REASONS
+from app.serve.messages import DecodeRequest, HandOff, PrefillResult
 from app.serve.streaming import coalesce
 
 log = logging.getLogger(__name__)
@@ -36,12 +29,16 @@ class DecodeServer(EngineReplica):
         return {**await super().stats(), "local_prefills": self.local_prefills}
 
     async def generate(self, req: DecodeRequest) -> AsyncIterator[RequestDelta]:
-        """Deltas after the first token, streamed back through Serve (`delta_channel:
-        serve`). If the prompt's KV cannot be fetched or verified, the engine recomputes
-        what is missing: the tokens are the same either way."""
+        """Deltas after the first token, streamed back through Serve. The call is placed
+        while the prefill still publishes (``req.prefill`` a `HandOff`): it takes the
+        prefill's result from the store's hand-off box first. If the prompt's KV cannot be
+        fetched or verified, the engine recomputes what is missing: the tokens are the same
+        either way."""
         prompt = req.request.prompt_token_ids
         self.host.inflight_tokens += len(prompt)
         try:
+            if isinstance(req.prefill, HandOff):
+                req = dataclasses.replace(req, prefill=await self._prefill_result(req.prefill))
             request = await self._request(req)
             deltas = self._drop_rejected(self.host.async_engine.generate(request))
             # timed: inter-token latency on this replica (and TTFT when it prefilled)
@@ -55,70 +52,12 @@ class DecodeServer(EngineReplica):
         finally:
             self.host.inflight_tokens -= len(prompt)
 
-    async def generate_to(self, req: DecodeRequest, reply_to: ReplyTo) -> StreamSummary:
-        """`run_generate_to` once the call has one of the replica's slots, which it shares
-        with direct calls (app/serve/slots.py)."""
-        async with self.slots.held():
-            return await self.run_generate_to(req, reply_to)
-
-    async def run_generate_to(self, req: DecodeRequest, reply_to: ReplyTo) -> StreamSummary:
-        """The same deltas, sent to the ingress's inbox (see EngineServer.generate_to).
-        The call may arrive while the prefill still runs (``req.prefill`` a `HandOff`):
-        it waits for the prefill's result (`_prefill_result`). Nothing
-        is sent if the prefill's token already ended the choice (the ingress cancels this
-        call then)."""
-        prompt = req.request.prompt_token_ids
-        link = await self.outbox.link(reply_to)
-        if req.prefill is not None:
-            prefill = await self._prefill_result(req)
-            if prefill.first.finish_reason in DONE_REASONS:
-                return StreamSummary(req.request.request_id, 0)
-            req = dataclasses.replace(req, prefill=prefill)
-        after_first = req.prefill is not None  # else the first token is made here
-        timer = RequestTimer(self.host.metrics, len(prompt), count=False, after_first=after_first)
-        drops: list[asyncio.Task] = []  # store drops of chunks the import rejected
-        tokens, completed = 0, False
-
-        def on_delta(delta: RequestDelta) -> None:
-            nonlocal tokens
-            tokens += len(delta.new_token_ids)
-            timer.on_tokens(len(delta.new_token_ids))
-            if delta.kv_rejected:
-                drops.append(asyncio.ensure_future(self.host.drop_rejected(delta.kv_rejected)))
-            link.send(dataclasses.replace(delta, num_prompt_tokens=len(prompt), kv_rejected=None))
-
-        self.host.inflight_tokens += len(prompt)
-        try:
-            request = await self._request(req)
-            await stream_to(link, self.host.async_engine.run(request, on_delta))
-            completed = True
-        finally:
-            self.host.inflight_tokens -= len(prompt)
-            timer.finish(completed)
-            for failure in await asyncio.gather(*drops, return_exceptions=True):
-                if isinstance(failure, Exception):
-                    log.warning("dropping a rejected chunk from the store failed: %s", failure)
-        return StreamSummary(req.request.request_id, tokens)
-
-    async def _prefill_result(self, req: DecodeRequest) -> PrefillResult:
-        """The prefill's result: in the message, delivered to this call by the ingress (a
-        direct call: the result itself when its KV is in-band, else None, and it is in the
-        hand-off box), or taken from the box (a Serve call: nothing can be delivered)."""
-        if isinstance(req.prefill, PrefillResult):
-            return req.prefill
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + TAKE_WITHIN_S  # for the delivery and the take together
-        mail = call_mail()
-        if mail is not None:
-            try:
-                async with asyncio.timeout_at(deadline):
-                    delivered = await mail
-            except TimeoutError:
-                raise HandOffLost(f"no prefill result for {req.prefill.key!r}") from None
-            if delivered is not None:
-                return delivered
+    async def _prefill_result(self, hand_off: HandOff) -> PrefillResult:
+        """The prefill's result, taken from the hand-off box (posted there by the prefill
+        replica, or by the ingress when its KV is in-band); `HandOffLost` (503) when it
+        does not come."""
         assert self.hand_offs is not None, "a decode replica uses the store"
-        return await self.hand_offs.take(req.prefill.key, max(0.0, deadline - loop.time()))
+        return await self.hand_offs.take(hand_off.key)
 
     async def _request(self, req: DecodeRequest) -> Request:  # req.prefill: not a HandOff
         """The engine request continuing after prefill's first token, with the prompt's KV;

@@ -1,20 +1,17 @@
 """Drives one normalised request through the engine replicas; shared by both API adapters.
 
-Colocated: one `EngineServer` call per choice. Disaggregated: `prefill` (first token + the
-prompt's KV as store chunks), then one `DecodeServer` call for the rest; a short prompt
-(`local_prefill_tokens`) gets only the `DecodeServer` call, whose replica prefills it.
-With the delta channel (`delta_channel: socket`, an inbox given) that call is the unary,
-long-lived `generate_to`, whose deltas arrive through the ingress's `DeltaInbox`, and the
-prefill's result reaches it from this ingress or through the store's hand-off box
-(app/serve/result_hand_over.py); otherwise it is the Serve stream `generate`. With the
-direct call channel (`direct` callers given) these unary calls go over the replicas' call
-ports, else through Serve handles. Cancelling a choice cancels the replica call, whose
-engine aborts the request and frees its KV blocks at once.
+Every call is a Ray Serve handle call (Serve's own transport: its router, its queue and
+ongoing-request counts, which the autoscaler reads; by value over gRPC with
+RAY_SERVE_THROUGHPUT_OPTIMIZED, docs/serving.md). Colocated: one `EngineServer` stream per
+choice. Disaggregated: the `PrefillServer` stream (its first token as soon as the engine
+samples it, then its result), then one `DecodeServer` stream for the rest, which takes the
+prefill's result from the store's hand-off box; a short prompt (`local_prefill_tokens`)
+gets only the `DecodeServer` stream, whose replica prefills it. Cancelling a choice
+cancels its calls, whose engines abort the request and free its KV blocks at once.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 from collections.abc import AsyncIterator
@@ -25,11 +22,7 @@ from ray.serve.handle import DeploymentHandle
 
 from app.engine.request import RequestDelta
 from app.kvstore.handoff import HandOffs
-from app.serve.call_deltas import inbox_deltas, serve_stream
-from app.serve.delta_inbox import DeltaInbox, DeltaQueue
-from app.serve.delta_wire import ReplyTo, head_id
-from app.serve.direct_calls import DirectCaller, assigned
-from app.serve.messages import DecodeRequest, GenerateRequest, HandOff, PrefillResult, RoutingInfo
+from app.serve.messages import DecodeRequest, GenerateRequest, HandOff, PrefillResult
 from app.serve.metrics import ReplicaMetrics
 from app.serve.normalize import EngineInfo, NormalizedRequest
 from app.serve.responses import (
@@ -39,7 +32,7 @@ from app.serve.responses import (
     ChoiceStream,
     choice_deltas,
 )
-from app.serve.result_hand_over import hand_over, nothing_in_the_box
+from app.serve.serve_calls import assigned, serve_stream
 
 _PLACEMENTS = 1024  # placements kept for the debug view; streams never collect theirs
 
@@ -58,7 +51,7 @@ async def _refused_on_error(
         ticket.refuse(RuntimeError("the choice ended before it was admitted"))
 
 
-def _decode_request(gen: GenerateRequest, prefill: PrefillResult | HandOff) -> DecodeRequest:
+def _decode_request(gen: GenerateRequest, prefill: HandOff) -> DecodeRequest:
     """The decode call's message; ``prefill``: its result or where to take it. A routing
     hint names a prefill replica, so it does not carry over to the decode deployment."""
     return DecodeRequest(gen, prefill, dataclasses.replace(gen.routing, hint=None))
@@ -72,23 +65,17 @@ class RequestDriver:
         decode: DeploymentHandle | None = None,
         engine: DeploymentHandle | None = None,
         record_placement: bool = False,
-        inbox: DeltaInbox | None = None,
-        direct: dict[str, DirectCaller] | None = None,
         hand_offs: HandOffs | None = None,
         local_prefill_tokens: int = 0,
     ):
         assert (engine is None) != (prefill is None and decode is None), "one mode"
-        assert not direct or inbox is not None, "direct calls send their deltas to an inbox"
+        assert prefill is None or hand_offs is not None, "disaggregated hands off in the box"
         self.metrics = metrics
         self.prefill, self.decode, self.engine = prefill, decode, engine
         self.record_placement = record_placement
-        self.inbox = inbox  # None: deltas come back as Serve streams
-        # By deployment ("engine", "prefill", "decode"): its unary calls go direct when they
-        # can; a deployment not here gets every call through its Serve handle.
-        self.direct = direct or {}
-        # Disaggregated: the store's hand-off box (app/kvstore/handoff.py), where this
-        # ingress posts a prefill's result for a decode call placed through Serve, and drops
-        # one whose decode call will not take it; None: neither is needed.
+        # Disaggregated: the store's hand-off box (app/kvstore/handoff.py), where a prefill's
+        # result waits for its decode call, and where this ingress drops one whose decode
+        # call will not take it
         self.hand_offs = hand_offs
         # Disaggregated: a prompt of at most this many tokens prefills on its decode replica
         # (ServeArgs.local_prefill_max_tokens); 0: none does
@@ -113,8 +100,6 @@ class RequestDriver:
         await self.describe()
         for handle in self.handles:
             await handle.describe.remote()
-        for caller in self.direct.values():
-            await caller.ready()
 
     async def describe(self) -> EngineInfo:
         if self._info is None:
@@ -145,12 +130,10 @@ class RequestDriver:
         self, gen: GenerateRequest, admission: AdmissionTicket
     ) -> AsyncIterator[RequestDelta]:
         if self.engine is not None:
-            deltas = self._one_call("engine", gen, gen, admission)
+            deltas = self._one_call(self.engine, gen, admission)
         elif self._prefills_locally(gen):
             self._record_local(gen)
-            deltas = self._one_call("decode", gen, DecodeRequest(gen, None, gen.routing), admission)
-        elif self.inbox is not None and gen.params.max_tokens > 1:
-            deltas = self._decode_during_prefill(gen, admission)
+            deltas = self._one_call(self.decode, DecodeRequest(gen, None, gen.routing), admission)
         else:
             deltas = self._prefill_then_decode(gen, admission)
         async with contextlib.aclosing(deltas):  # closing us cancels the calls at once
@@ -166,23 +149,12 @@ class RequestDriver:
 
     async def _one_call(
         self,
-        deployment: str,
-        gen: GenerateRequest,
+        handle: DeploymentHandle,
         message: GenerateRequest | DecodeRequest,
         admission: AdmissionTicket,
     ) -> AsyncIterator[RequestDelta]:
-        """A choice run whole by one call of ``deployment`` (the colocated engine, or a
-        decode replica that prefills the prompt itself)."""
-        if self.inbox is not None:
-            start = lambda reply_to: self._place(  # noqa: E731
-                deployment, "generate_to", gen.routing, (message, reply_to)
-            )
-            deltas = inbox_deltas(self.inbox, gen.request_id, start, admission)
-            async with contextlib.aclosing(deltas):  # closing us cancels the call at once
-                async for delta in deltas:
-                    yield delta
-            return
-        handle = getattr(self, deployment)
+        """A choice run whole by one stream (the colocated engine, or a decode replica that
+        prefills the prompt itself)."""
         async for delta in serve_stream(handle.options(stream=True).generate.remote(message)):
             admission.admit()  # the engine took it (its refusal would come first)
             yield delta
@@ -190,131 +162,61 @@ class RequestDriver:
     async def _prefill_then_decode(
         self, gen: GenerateRequest, admission: AdmissionTicket
     ) -> AsyncIterator[RequestDelta]:
-        """Disaggregated, one call after the other: the prefill, then (unless its token
-        ended the choice) the decode call with its result, streamed through Serve."""
-        response = self.prefill.prefill.remote(gen)
+        """Disaggregated: the prefill stream gives the first token as soon as its engine
+        samples it; unless that token ends the choice, the decode call is placed then (its
+        replica waits in the hand-off box for the prefill's result, which the prefill
+        replica posts once the prompt's KV is published), and the token goes out once the
+        decode call has a replica (a full decode deployment still answers 429 before any
+        byte). The prefill's result follows on its stream: a result with no chunk refs
+        (in-band KV) comes back whole and is posted here. No Ray ref crosses the ingress:
+        Serve's by-value transport would pickle it outside Ray, which pins the object."""
+        key = HandOff(gen.request_id).key
+        prefill = serve_stream(self.prefill.options(stream=True).prefill.remote(gen))
+        settled = False  # nothing of this choice can stay in the hand-off box
+        call = None  # the decode call, once placed
         try:
-            result = await response
-        except asyncio.CancelledError:
-            response.cancel()
-            raise
-        self._record(gen, result)
-        if result.first.finish_reason in DONE_REASONS:
-            admission.admit()
-            yield result.first
-            return
-        decode = self.decode.options(stream=True).generate.remote(_decode_request(gen, result))
-        await assigned(decode)  # before the first token goes out: 429 stays possible
-        admission.admit()
-        yield result.first
-        async for delta in serve_stream(decode):
-            yield delta
-
-    def _place(self, deployment: str, method: str, routing: RoutingInfo, args: tuple):
-        """``deployment``'s unary ``method(*args)``: direct when one of its replicas can
-        take it, else through its Serve handle (awaitable and cancel()-able either way)."""
-        handle = getattr(self, deployment)
-        serve_call = lambda: getattr(handle, method).remote(*args)  # noqa: E731
-        caller = self.direct.get(deployment)
-        if caller is None:
-            return serve_call()
-        return caller.call(method, routing, args, serve_call)
-
-    async def _decode_during_prefill(
-        self, gen: GenerateRequest, admission: AdmissionTicket
-    ) -> AsyncIterator[RequestDelta]:
-        """Disaggregated with the delta channel: the decode call is placed as soon as the
-        prefill call has a replica, and waits for the prefill's result itself (`hand_over`:
-        delivered by this ingress, or taken from the store's hand-off box); so the first
-        token waits for the longer of the prefill and the decode assignment, not for both
-        in turn. The prefill replica sends the first token to the inbox ahead of its result
-        (`PrefillServer.run_prefill_to`). Neither call's message carries a Ray ref, so
-        both may go over the direct call channel."""
-        key = head_id(gen.request_id)
-        head = self.inbox.open(key)  # before the call: the token cannot be missed
-        hand_off = HandOff(gen.request_id)
-        # True once nothing of this choice can stay in the hand-off box: its decode call took
-        # the result, or the prefill was refused (never runs, never posts)
-        settled = False
-        handed: asyncio.Future[bool] | None = None  # the result's hand-over, once started
-        try:
-            prefill = self._place(
-                "prefill", "prefill_to", gen.routing, (gen, self.inbox.reply_to, hand_off)
-            )
             try:
-                await assigned(prefill)  # a refused prefill (429) places no decode call
-            except BaseException as e:
-                prefill.cancel()
-                settled = isinstance(e, BackPressureError)
+                item = await anext(prefill)
+            except BackPressureError:  # refused before any byte: it never runs nor posts
+                settled = True
                 raise
-            result = asyncio.ensure_future(self._prefilled(gen, prefill))
-            result.add_done_callback(lambda t: t.cancelled() or t.exception())  # seen below
-            message = _decode_request(gen, hand_off)
-            first = asyncio.ensure_future(self._first_token(gen, result, head))
-            placed = asyncio.get_running_loop().create_future()  # the decode call
-            handed = asyncio.ensure_future(hand_over(result, placed, hand_off.key, self.hand_offs))
-            handed.add_done_callback(lambda t: t.cancelled() or t.exception())  # seen below
-
-            def start(reply_to: ReplyTo):
-                decode = self._place("decode", "generate_to", message.routing, (message, reply_to))
-                placed.set_result(decode)
-                return decode
-
-            deltas = inbox_deltas(
-                self.inbox, gen.request_id, start, admission, first, handed=handed
-            )
-            n = 0  # delta 0 is the prefill's token
-            try:
-                async with contextlib.aclosing(deltas):
-                    async for delta in deltas:
-                        settled, n = n > 0 and delta.finished, n + 1
-                        yield delta
-            finally:
-                handed.cancel()  # done unless the choice ended before its hand-over
-                if not first.done():  # refused (429), cancelled or failed before the token
-                    first.cancel()
-                    result.cancel()
-                    prefill.cancel()
+            first = item.first if isinstance(item, PrefillResult) else item
+            if first.finish_reason in DONE_REASONS:  # the replica posted nothing
+                settled = True
+                admission.admit()
+                yield first
+                return
+            message = _decode_request(gen, HandOff(key))
+            call = self.decode.options(stream=True).generate.remote(message)
+            await assigned(call)  # before the first token goes out: 429 stays possible
+            admission.admit()
+            yield first
+            result = item if isinstance(item, PrefillResult) else await anext(prefill)
+            async for _ in prefill:  # its end: a stream read to the end needs no cancel
+                pass
+            self._record(gen, result)
+            if not result.posted:
+                await self.hand_offs.post(key, result)
+            async with contextlib.aclosing(serve_stream(call)) as decode:
+                async for delta in decode:
+                    settled = delta.finished
+                    yield delta
         finally:
-            self.inbox.close(key)
-            # Its decode call may never take the result (refused, cancelled before the take,
-            # or the token ended the choice), and a prefill cancelled late may still have
-            # posted it (even while its placement was awaited): it must not stay in the box.
-            # Nothing to drop when the hand-over knows it was never posted (in-band).
-            unposted = handed is not None and nothing_in_the_box(handed)
-            if not settled and not unposted and self.hand_offs is not None:
-                self.hand_offs.discard(hand_off.key)
+            await prefill.aclose()
+            if not settled:  # ended before its decode call finished: the call may never
+                if call is not None:  # have been read, so its stream cannot cancel it
+                    call.cancel()
+                self.hand_offs.discard(key)  # and the result may wait in the box
 
-    async def _first_token(
-        self, gen: GenerateRequest, result: asyncio.Future[PrefillResult], head: DeltaQueue
-    ) -> RequestDelta:
-        """The prefill's first token: from the inbox when the replica sent it ahead of its
-        result, else from the result (whose failure raises here)."""
-        early = asyncio.ensure_future(head.get())
-        try:
-            await asyncio.wait({result, early}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            early.cancel()
-        if early.done() and not early.cancelled() and early.exception() is None:
-            # The result lands later (placement recorded then); its failure after the
-            # token fails the choice (`inbox_deltas` watches it).
-            return dataclasses.replace(early.result(), request_id=gen.request_id)
-        return (await result).first
-
-    async def _prefilled(self, gen: GenerateRequest, prefill) -> PrefillResult:
-        result = await prefill
-        self._record(gen, result, getattr(prefill, "via", "serve"))
-        return result
-
-    def _record(self, gen: GenerateRequest, result, via: str = "serve") -> None:
-        """Where the choice's prefill ran (``via``: over the direct call channel or Serve)."""
+    def _record(self, gen: GenerateRequest, result: PrefillResult) -> None:
+        """Where the choice's prefill ran."""
         self._note(gen, {
             "prefill_replica": result.replica,
             "store_tokens": result.num_store_tokens,
             "store_failures": result.store_failures,
-            "prefill_via": via,
+            "prefill_via": "remote",
             # the prefill replica posted its result to the hand-off box (its KV has chunk
-            # refs); False: it came back whole (in-band, or the max_tokens 1 path)
+            # refs); False: it came back whole (in-band KV), and the ingress posted it
             "prefill_posted": result.posted,
         })  # fmt: skip
 

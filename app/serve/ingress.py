@@ -5,7 +5,6 @@ import logging
 import os
 from typing import Any
 
-import ray
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
@@ -16,8 +15,6 @@ from starlette.exceptions import HTTPException
 
 from app.kvstore.handoff import HandOffs
 from app.serve.config import ServeArgs
-from app.serve.delta_inbox import DeltaInbox
-from app.serve.direct_calls import DirectCaller
 from app.serve.driver import RequestDriver
 from app.serve.grpc_servicer import GrpcIngress
 from app.serve.http_input import parse_request, read_limited
@@ -63,36 +60,19 @@ class Ingress(GrpcIngress):  # gRPC adapter: app/serve/grpc_servicer.py
         self.model_name = self.args.served_model_name or os.path.basename(model.rstrip("/"))
         self.tokenizer = Tokenizer.from_path(model)
         metrics = ReplicaMetrics("ingress", self.model_name)  # the client's view
-        inbox = None
-        if self.args.delta_channel == "socket":  # replicas connect here (docs/performance.md)
-            inbox = await DeltaInbox.start(ray.util.get_node_ip_address())
-        direct = {}  # deployments whose unary calls may go direct (direct_calls.py)
-        if inbox is not None and self.args.call_channel == "socket":
-            handles = {"engine": engine, "prefill": prefill, "decode": decode}
-            direct = {
-                name: DirectCaller(h.app_name, h.deployment_name)
-                for name, h in handles.items()
-                if h is not None
-            }
         hints = self.args.allow_routing_hints
-        # disaggregated: prefill results for decode calls placed through Serve, and those
+        # disaggregated: in-band prefill results posted for their decode calls, and those
         # the decode calls of ended choices will not take
         hand_offs = HandOffs(self.args.store_name) if prefill is not None else None
         local = self.args.local_prefill_tokens if prefill is not None else 0
         self.driver = RequestDriver(
-            metrics, prefill, decode, engine, hints, inbox=inbox, direct=direct,
-            hand_offs=hand_offs, local_prefill_tokens=local,
+            metrics, prefill, decode, engine, hints, hand_offs=hand_offs,
+            local_prefill_tokens=local,
         )  # fmt: skip
         self.normalizer = RequestNormalizer(
             self.args, self.model_name, self.tokenizer, self.driver.describe
         )
         await self.driver.warm_up()  # routers know their replicas before the first request
-
-    def delta_inbox_stats(self) -> dict[str, int] | None:
-        """Frames received and choices open on this ingress's delta inbox (tests, ops);
-        None with `delta_channel: serve`."""
-        inbox = self.driver.inbox
-        return None if inbox is None else {"frames": inbox.frames, "open": inbox.num_open}
 
     # --- routes -------------------------------------------------------------------
     @api.get("/health")

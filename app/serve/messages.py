@@ -51,17 +51,16 @@ class PrefillResult:
 
     @property
     def in_band(self) -> bool:
-        """Every chunk travels inside the result (its bytes, no Ray ref): it may be pickled
-        outside Ray, e.g. over the direct call channel."""
+        """Every chunk travels inside the result (its bytes, no Ray ref): it may cross
+        Serve's by-value transport, which pickles outside Ray."""
         return all(c.in_band for c in self.chunks)
 
 
 @dataclass(frozen=True, slots=True)
 class HandOff:
-    """Where the decode replica finds the prefill's result, when the ingress places the
-    decode call while the prefill runs: delivered to the call by the ingress (a direct
-    call whose result is in-band), else posted under ``key`` to the store's hand-off box
-    (app/kvstore/handoff.py), by the prefill replica or the ingress."""
+    """Where the decode replica finds the prefill's result: posted under ``key`` to the
+    store's hand-off box (app/kvstore/handoff.py), by the prefill replica (its KV has chunk
+    refs) or by the ingress (in-band KV)."""
 
     key: str
 

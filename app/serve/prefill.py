@@ -18,11 +18,10 @@ from app.engine.request import Request, RequestDelta, RequestError
 from app.kv.chunk import KVChunk
 from app.kvstore.store import StoredChunk
 from app.kvstore.transfer import publish
-from app.serve.delta_outbox import DeltaLink
-from app.serve.delta_wire import DeltaChannelError, ReplyTo, head_id
 from app.serve.engine_replica import EngineReplica
 from app.serve.messages import GenerateRequest, HandOff, PrefillResult
 from app.serve.replica import is_full
+from app.serve.responses import DONE_REASONS
 from app.serve.streaming import merge
 
 log = logging.getLogger(__name__)
@@ -41,51 +40,37 @@ class PrefillServer(EngineReplica):
         super().__init__(args)
         self._handing_over: set[asyncio.Task] = set()  # may outlive their cancelled call
 
-    async def prefill(self, req: GenerateRequest) -> PrefillResult:
-        """The whole prefill as one Serve call (``max_tokens: 1``, or `delta_channel:
-        serve`): the result carries the KV's chunk refs. Runs once the call has one of
-        the replica's slots, like `prefill_to` (app/serve/slots.py)."""
-        async with self.slots.held():
-            return await self._prefill(req)
+    async def prefill(self, req: GenerateRequest) -> AsyncIterator[RequestDelta | PrefillResult]:
+        """The prefill as a Serve stream: the first token as soon as the engine samples it
+        (before the KV export and the store puts), then the result. A result whose KV has
+        chunk refs is posted to the store's hand-off box under the choice's key
+        (`HandOff`), for the decode replica, and comes here without them: no Ray ref
+        travels back through Serve, whose by-value transport pickles outside Ray (an
+        `ObjectRef` pickled so is pinned for its owner's life). One whose KV is in-band
+        comes whole (the ingress posts it), and so does one whose token ended the choice
+        (nothing to hand off)."""
+        token: asyncio.Future[RequestDelta] = asyncio.get_running_loop().create_future()
 
-    async def prefill_to(
-        self, req: GenerateRequest, reply_to: ReplyTo, hand_off: HandOff
+        async def on_first(first: RequestDelta) -> None:
+            token.set_result(first)
+
+        work = asyncio.ensure_future(self._prefill_handed_off(req, on_first))
+        try:
+            await asyncio.wait({token, work}, return_when=asyncio.FIRST_COMPLETED)
+            if token.done():
+                yield token.result()
+            yield await work
+        finally:
+            work.cancel()  # done by now unless the caller left; the publish is shielded
+
+    async def _prefill_handed_off(
+        self, req: GenerateRequest, on_first: Callable[[RequestDelta], Awaitable[None]]
     ) -> PrefillResult:
-        """`run_prefill_to` once the call has one of the replica's slots, which it shares
-        with direct calls (app/serve/slots.py)."""
-        async with self.slots.held():
-            return await self.run_prefill_to(req, reply_to, hand_off)
-
-    async def run_prefill_to(
-        self, req: GenerateRequest, reply_to: ReplyTo, hand_off: HandOff
-    ) -> PrefillResult:
-        """`prefill`, also sending the first token to the ingress's inbox (key `head_id`)
-        as soon as the engine gives it, before the KV is published (measured ~4 ms at 1
-        stream, ~9 ms at 8 of the first token's path). A result whose KV is in-band comes
-        back whole: the ingress hands it to the decode call (no hand-off box call here, nor
-        the box's answer to the decode replica). One with chunk refs is posted to the box
-        under ``hand_off.key`` for the decode replica, and the ingress gets it without them
-        (no Ray ref in the answer: this call may come over the direct call channel).
-        Should the delta channel fail, the answer still has the token."""
-        try:  # opened (or reused) before the prompt runs, not on the token's path
-            link: DeltaLink | None = await self.outbox.link(reply_to)
-        except DeltaChannelError as e:
-            log.warning("the first token will come with the prefill result only: %s", e)
-            link = None
-
-        async def send_head(first: RequestDelta) -> None:
-            head = dataclasses.replace(  # the prefill's one delta to the ingress: final
-                first, request_id=head_id(req.request_id), finished=True, kv_rejected=None
-            )
-            with contextlib.suppress(DeltaChannelError):  # logged by the link
-                link.send(head)
-                await link.drained()  # on the wire before the publish starts
-
-        result = await self._prefill(req, send_head if link is not None else None)
-        if result.in_band:
+        result = await self._prefill(req, on_first)
+        if result.in_band or result.first.finish_reason in DONE_REASONS:
             return result
         assert self.hand_offs is not None, "a prefill replica uses the store"
-        await self.hand_offs.post(hand_off.key, result)
+        await self.hand_offs.post(HandOff(req.request_id).key, result)
         return dataclasses.replace(result, chunks=[], posted=True)
 
     async def _prefill(

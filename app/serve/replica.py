@@ -45,14 +45,6 @@ def replica_name() -> str:
         return f"pid-{os.getpid()}"
 
 
-def node_ip() -> str:
-    """This node's IP as Ray sees it (what other nodes reach), or loopback outside Ray."""
-    try:
-        return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
-    except Exception:  # noqa: BLE001 - no Ray: a single process on loopback
-        return "127.0.0.1"
-
-
 class EngineHost:
     def __init__(self, args: ServeArgs, store: KVStoreClient | None, role: str = "colocated"):
         threads = args.engine.torch_threads

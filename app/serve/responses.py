@@ -14,7 +14,6 @@ from ray.serve.exceptions import BackPressureError
 from app.engine.request import OverloadedError, RequestDelta
 from app.engine.structured.tools import ToolChoice
 from app.kvstore.handoff import HandOffLost
-from app.serve.delta_wire import DeltaChannelError
 from app.serve.openai_protocol import (
     APIError,
     chat_logprobs,
@@ -272,9 +271,7 @@ def error_from_exception(e: BaseException, retry_after_s: int) -> APIError:
         return cause
     if isinstance(cause, ValueError):
         return APIError(400, str(cause))
-    if isinstance(e, RayActorError) or isinstance(
-        cause, RayActorError | DeltaChannelError | HandOffLost
-    ):
+    if isinstance(e, RayActorError) or isinstance(cause, RayActorError | HandOffLost):
         msg = "a model replica became unavailable; retry the request"
         return APIError(503, msg, type="server_error", code="unavailable", headers=busy)
     return APIError(500, f"internal error: {type(e).__name__}", type="server_error")

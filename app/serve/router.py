@@ -28,7 +28,7 @@ several arrive at once.
 from __future__ import annotations
 
 import logging
-from typing import Any, Protocol
+from typing import Any
 
 from ray.serve.request_router import (
     FIFOMixin,
@@ -38,14 +38,9 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
-from app.serve import router_registry
 from app.serve.messages import RoutingInfo
 
 log = logging.getLogger(__name__)
-
-
-class DirectLoad(Protocol):
-    def ongoing(self, replica_id: ReplicaID) -> int: ...
 
 
 class TokenAwareRouter(FIFOMixin, RequestRouter):
@@ -54,18 +49,13 @@ class TokenAwareRouter(FIFOMixin, RequestRouter):
         role: str = "prefill",
         chunk_tokens: int = 256,
         affinity_weight: float = 1.0,
-        deployment: str | None = None,
     ) -> None:
         assert role in ("prefill", "decode"), role
-        if deployment is not None:  # the direct call channel reads it (router_for)
-            router_registry.register(self.app_name, deployment, self)
         self.role = role
         self.chunk_tokens = chunk_tokens
         self.affinity_weight = affinity_weight
         self._sent: dict[ReplicaID, int] = {}  # tokens this router has in flight per replica
         self._by_request: dict[str, tuple[ReplicaID, int]] = {}
-        # The ingress's direct call channel, once it places calls (app/serve/direct_calls.py)
-        self.direct: DirectLoad | None = None
 
     async def choose_replicas(
         self,
@@ -79,32 +69,12 @@ class TokenAwareRouter(FIFOMixin, RequestRouter):
             ordered = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
             return [[ordered[info.hint % len(ordered)]]]
         available = self.select_available_replicas(candidate_replicas) or candidate_replicas
-        if self.direct is not None:
-            # Empty when direct calls fill every replica: the request waits in Serve's queue.
-            available = [r for r in available if self._has_room(r)]
-        if not available and pending_request is not None:
-            # No locality stages here: an empty choice must back off before the next try,
-            # not spin (Serve retries at once while this flag is unset).
-            pending_request.routing_context.should_backoff = True
         ranked = sorted(available, key=lambda r: self.cost(r, info))
         return [[r] for r in ranked]
 
-    def _has_room(self, replica: RunningReplica) -> bool:
-        """Room for one more call beside this process's direct calls there (Serve counts
-        only its own calls; with no direct call in flight its own rules decide)."""
-        direct = self.direct.ongoing(replica.replica_id) if self.direct is not None else 0
-        if direct == 0:
-            return True
-        serve_calls = self.replica_queue_len_cache.get(replica.replica_id) or 0
-        return direct + serve_calls < replica.max_ongoing_requests
-
-    def cost(
-        self, replica: RunningReplica, info: RoutingInfo | None, extra_tokens: int = 0
-    ) -> float:
-        """``extra_tokens``: prompt tokens in flight there that this router did not send
-        (the ingress's direct calls, app/serve/direct_calls.py)."""
+    def cost(self, replica: RunningReplica, info: RoutingInfo | None) -> float:
         stats: dict[str, Any] = replica.routing_stats or {}
-        sent = self._sent.get(replica.replica_id, 0) + extra_tokens
+        sent = self._sent.get(replica.replica_id, 0)
         inflight = max(int(stats.get("inflight_tokens", 0)), sent)
         load = inflight + (int(stats.get("kv_tokens_held", 0)) if self.role == "decode" else 0)
         if info is None:

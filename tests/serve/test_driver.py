@@ -1,6 +1,5 @@
-"""RequestDriver without Ray: fake deployment handles stand in for the replicas. Serve
-streams here; the disaggregated path over the delta channel and the hand-off box:
-test_driver_handoff.py."""
+"""RequestDriver without Ray: fake deployment handles stand in for the replicas; the
+disaggregated hand-off through the store's box in detail: test_driver_handoff.py."""
 
 from __future__ import annotations
 
@@ -9,7 +8,7 @@ import asyncio
 from app.engine.request import RequestDelta
 from app.engine.sampling_params import SamplingParams
 from app.serve.driver import RequestDriver
-from app.serve.messages import DecodeRequest, PrefillResult
+from app.serve.messages import DecodeRequest, HandOff, PrefillResult
 from app.serve.metrics import ReplicaMetrics
 from app.serve.normalize import NormalizedRequest
 
@@ -59,9 +58,23 @@ class _Method:
         return answer()
 
 
+class FakeBox:
+    """The hand-off box's client (`HandOffs`): what the ingress posts and discards."""
+
+    def __init__(self):
+        self.posted, self.discarded = [], []
+
+    async def post(self, key: str, value) -> None:
+        self.posted.append(key)
+
+    def discard(self, key: str) -> None:
+        self.discarded.append(key)
+
+
 class FakeHandle:
-    """A Serve handle: `describe.remote()`, and per role `prefill.remote(req)` or
-    `options(stream=True).generate.remote(req)`; `calls` records which were used."""
+    """A Serve handle: `describe.remote()`, and per role `options(stream=True)` with
+    `prefill.remote(req)` (a stream: its items) or `generate.remote(req)`; `calls` records
+    which were used."""
 
     def __init__(self, calls: list[str], name: str, prefill=None, generate=None):
         self.describe = _Method(calls, name, DESCRIBE)
@@ -85,7 +98,8 @@ def test_warm_up_reaches_every_deployment_before_the_first_request():
                 "prefill": FakeHandle(calls, "prefill"),
                 "decode": FakeHandle(calls, "decode"),
             }
-        driver = RequestDriver(ReplicaMetrics("ingress", "test-driver"), **handles)
+        box = FakeBox() if mode == "disaggregated" else None
+        driver = RequestDriver(ReplicaMetrics("ingress", "test-driver"), **handles, hand_offs=box)
         asyncio.run(driver.warm_up())
         assert set(calls) == set(handles), mode
         assert driver._info is not None and driver._info.block_size == 16
@@ -114,11 +128,12 @@ def test_the_text_is_the_engines_text():
     calls: list[str] = []
     first = delta([40], "He", finished=True)  # prefill_only: finished, no reason
     rest = [delta([41], "l"), delta([42, 2], "lo", finished=True, reason="stop")]
-    result = PrefillResult("e-0", first, [], "prefill-0")
+    result = PrefillResult("e-0", first, [], "prefill-0", posted=True)
     driver = RequestDriver(
         ReplicaMetrics("ingress", "test-driver"),
-        prefill=FakeHandle(calls, "prefill", prefill=result),
+        prefill=FakeHandle(calls, "prefill", prefill=[first, result]),
         decode=FakeHandle(calls, "decode", generate=rest),
+        hand_offs=FakeBox(),
     )
     got = _collect(driver)
     assert "".join(d.text_delta for d in got) == "Hello"
@@ -147,8 +162,11 @@ def test_a_short_prompt_prefills_on_its_decode_replica():
         decode = FakeHandle(calls, "decode", generate=rest)
         driver = RequestDriver(
             ReplicaMetrics("ingress", "test-driver"),
-            prefill=FakeHandle(calls, "prefill", prefill=PrefillResult("e-0", first, [], "p-0")),
+            prefill=FakeHandle(
+                calls, "prefill", prefill=[first, PrefillResult("e-0", first, [], "p-0")]
+            ),
             decode=decode,
+            hand_offs=FakeBox(),
             record_placement=True,
             local_prefill_tokens=limit,
         )
@@ -163,4 +181,4 @@ def test_a_short_prompt_prefills_on_its_decode_replica():
     for limit, hints in ((2, None), (0, None), (3, {"prefill": 0})):
         calls, message, where, _ = run(limit, hints)
         assert calls == ["prefill.prefill", "decode.generate"], (limit, hints)
-        assert isinstance(message.prefill, PrefillResult) and where["prefill_replica"] == "p-0"
+        assert isinstance(message.prefill, HandOff) and where["prefill_replica"] == "p-0"
