@@ -2,7 +2,9 @@
 
 add/abort calls from the event loop are queued and applied between steps, so the engine is
 only ever touched by one thread at a time. A step's deltas are handed to their requests'
-queues in one loop over the step's output; `generate`'s consumers each wake up in turn.
+sinks synchronously, in one loop over the step's output: `run`'s callers see all of a
+step's deltas before the event loop runs anything else (app/serve/delta_outbox.py batches
+on that), `generate`'s consumers each wake up in turn.
 """
 
 from __future__ import annotations
@@ -34,6 +36,30 @@ class AsyncEngine:
                 yield delta
                 if delta.finished and self._all_done(request, delta):
                     return
+        finally:
+            self._close(request.request_id)
+
+    async def run(self, request: Request, on_delta: Callable[[RequestDelta], None]) -> None:
+        """Hands each delta to ``on_delta`` synchronously, inside the step's fan-out, and
+        returns after the final one; raises what fails the request. Cancelling aborts it.
+        ``on_delta`` must not raise."""
+        done: asyncio.Future = asyncio.get_running_loop().create_future()
+
+        def sink(item: RequestDelta | BaseException) -> None:
+            if done.done():
+                return
+            try:
+                delta = _checked(item)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                done.set_exception(e)
+                return
+            on_delta(delta)
+            if delta.finished and self._all_done(request, delta):
+                done.set_result(None)
+
+        self._open(request, sink)
+        try:
+            await done
         finally:
             self._close(request.request_id)
 

@@ -116,6 +116,13 @@ class ServeArgs(BaseModel):
     # holds later tokens up to this long so they share one (fewer Serve stream items per
     # token, coarser events; app/serve/streaming.py).
     stream_interval_s: float = Field(default=0.0, ge=0, le=1.0)
+    # How deltas get from the engine replicas to the ingress (docs/serving.md "The delta
+    # channel"): "socket" sends every request's deltas of one engine step in one msgpack
+    # frame over one authenticated TCP connection per (ingress, replica) pair, TLS when
+    # Ray runs with TLS (stream_interval_s does not apply); "serve" streams each request
+    # through Serve (one item per delta; for clusters where replicas cannot connect to the
+    # ingress's node). Calls are Serve handle calls either way.
+    delta_channel: Literal["socket", "serve"] = "socket"
 
     @model_validator(mode="after")
     def _queue_bound(self) -> ServeArgs:

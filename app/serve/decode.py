@@ -4,6 +4,7 @@ replica then prefills it too, as a colocated engine does (ServeArgs.local_prefil
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import logging
@@ -12,8 +13,11 @@ from collections.abc import AsyncIterator
 from ray import serve
 
 from app.engine.request import Request, RequestDelta
+from app.serve.delta_outbox import stream_to
+from app.serve.delta_wire import ReplyTo, StreamSummary
 from app.serve.engine_replica import EngineReplica
 from app.serve.messages import DecodeRequest, HandOff, PrefillResult
+from app.serve.metrics import RequestTimer
 from app.serve.streaming import coalesce
 
 log = logging.getLogger(__name__)
@@ -51,6 +55,41 @@ class DecodeServer(EngineReplica):
                     yield dataclasses.replace(delta, num_prompt_tokens=len(prompt))
         finally:
             self.host.inflight_tokens -= len(prompt)
+
+    async def generate_to(
+        self, req: DecodeRequest, reply_to: ReplyTo, claim: bytes
+    ) -> StreamSummary:
+        """The same deltas, sent to the ingress's inbox (see EngineServer.generate_to)."""
+        prompt = req.request.prompt_token_ids
+        link = await self.outbox.link(reply_to)
+        link.claim(req.request.request_id, claim)
+        after_first = req.prefill is not None  # else the first token is made here
+        timer = RequestTimer(self.host.metrics, len(prompt), count=False, after_first=after_first)
+        drops: list[asyncio.Task] = []  # store drops of chunks the import rejected
+        tokens, completed = 0, False
+
+        def on_delta(delta: RequestDelta) -> None:
+            nonlocal tokens
+            tokens += len(delta.new_token_ids)
+            timer.on_tokens(len(delta.new_token_ids))
+            if delta.kv_rejected:
+                drops.append(asyncio.ensure_future(self.host.drop_rejected(delta.kv_rejected)))
+            link.send(dataclasses.replace(delta, num_prompt_tokens=len(prompt), kv_rejected=None))
+
+        self.host.inflight_tokens += len(prompt)
+        try:
+            if isinstance(req.prefill, HandOff):
+                req = dataclasses.replace(req, prefill=await self._prefill_result(req.prefill))
+            request = await self._request(req)
+            await stream_to(link, self.host.async_engine.run(request, on_delta))
+            completed = True
+        finally:
+            self.host.inflight_tokens -= len(prompt)
+            timer.finish(completed)
+            for failure in await asyncio.gather(*drops, return_exceptions=True):
+                if isinstance(failure, Exception):
+                    log.warning("dropping a rejected chunk from the store failed: %s", failure)
+        return StreamSummary(req.request.request_id, tokens)
 
     async def _prefill_result(self, hand_off: HandOff) -> PrefillResult:
         """The prefill's result, taken from the hand-off box (posted there by the prefill

@@ -22,6 +22,8 @@ from ray.serve.handle import DeploymentHandle
 
 from app.engine.request import RequestDelta
 from app.kvstore.handoff import HandOffs
+from app.serve.call_deltas import ChoiceCall, inbox_call, stream_call
+from app.serve.delta_inbox import DeltaInbox
 from app.serve.messages import DecodeRequest, GenerateRequest, HandOff, PrefillResult
 from app.serve.metrics import ReplicaMetrics
 from app.serve.normalize import EngineInfo, NormalizedRequest
@@ -67,12 +69,16 @@ class RequestDriver:
         record_placement: bool = False,
         hand_offs: HandOffs | None = None,
         local_prefill_tokens: int = 0,
+        inbox: DeltaInbox | None = None,
     ):
         assert (engine is None) != (prefill is None and decode is None), "one mode"
         assert prefill is None or hand_offs is not None, "disaggregated hands off in the box"
         self.metrics = metrics
         self.prefill, self.decode, self.engine = prefill, decode, engine
         self.record_placement = record_placement
+        # The delta channel's inbox (`delta_channel: socket`): the engine replicas send the
+        # deltas of this ingress's choices there; None: they come back as Serve streams
+        self.inbox = inbox
         # Disaggregated: the store's hand-off box (app/kvstore/handoff.py), where a prefill's
         # result waits for its decode call, and where this ingress drops one whose decode
         # call will not take it
@@ -153,11 +159,25 @@ class RequestDriver:
         message: GenerateRequest | DecodeRequest,
         admission: AdmissionTicket,
     ) -> AsyncIterator[RequestDelta]:
-        """A choice run whole by one stream (the colocated engine, or a decode replica that
+        """A choice run whole by one call (the colocated engine, or a decode replica that
         prefills the prompt itself)."""
-        async for delta in serve_stream(handle.options(stream=True).generate.remote(message)):
-            admission.admit()  # the engine took it (its refusal would come first)
-            yield delta
+        call = self._generate(handle, message)
+        try:
+            async for delta in call:
+                admission.admit()  # the engine took it (its refusal would come first)
+                yield delta
+        finally:
+            await call.close()
+
+    def _generate(self, handle: DeploymentHandle, message) -> ChoiceCall:
+        """The call that runs ``message`` on one of ``handle``'s replicas, and its deltas:
+        over the delta channel (a unary `generate_to` through Serve, its deltas sent to
+        this ingress's inbox) or as a Serve stream."""
+        if self.inbox is None:
+            return stream_call(handle.options(stream=True).generate.remote(message))
+        request = message.request if isinstance(message, DecodeRequest) else message
+        start = lambda reply_to, claim: handle.generate_to.remote(message, reply_to, claim)  # noqa: E731
+        return inbox_call(self.inbox, request.request_id, start)
 
     async def _prefill_then_decode(
         self, gen: GenerateRequest, admission: AdmissionTicket
@@ -186,9 +206,8 @@ class RequestDriver:
                 admission.admit()
                 yield first
                 return
-            message = _decode_request(gen, HandOff(key))
-            call = self.decode.options(stream=True).generate.remote(message)
-            await assigned(call)  # before the first token goes out: 429 stays possible
+            call = self._generate(self.decode, _decode_request(gen, HandOff(key)))
+            await assigned(call.response)  # before the first token goes out: 429 possible
             admission.admit()
             yield first
             result = item if isinstance(item, PrefillResult) else await anext(prefill)
@@ -197,16 +216,15 @@ class RequestDriver:
             self._record(gen, result)
             if not result.posted:
                 await self.hand_offs.post(key, result)
-            async with contextlib.aclosing(serve_stream(call)) as decode:
-                async for delta in decode:
-                    settled = delta.finished
-                    yield delta
+            async for delta in call:
+                settled = delta.finished
+                yield delta
         finally:
             await prefill.aclose()
-            if not settled:  # ended before its decode call finished: the call may never
-                if call is not None:  # have been read, so its stream cannot cancel it
-                    call.cancel()
-                self.hand_offs.discard(key)  # and the result may wait in the box
+            if call is not None:  # also when its deltas were never read
+                await call.close()
+            if not settled:  # ended before its decode call took the result: drop it
+                self.hand_offs.discard(key)
 
     def _record(self, gen: GenerateRequest, result: PrefillResult) -> None:
         """Where the choice's prefill ran."""

@@ -14,6 +14,7 @@ from app.engine.sampling_params import SamplingParams
 from app.kvstore.handoff import HandOffs
 from app.kvstore.store import KVStoreClient
 from app.serve.config import ServeArgs
+from app.serve.delta_outbox import DeltaOutbox
 from app.serve.replica import EngineHost
 
 log = logging.getLogger(__name__)
@@ -33,6 +34,7 @@ class EngineReplica:
             store = KVStoreClient.from_name(a.store_name, a.store_shards, a.store_capacity_bytes)
             self.hand_offs = HandOffs(a.store_name)
         self.host = EngineHost(self.args, store, role=self.role)
+        self.outbox = DeltaOutbox()  # the delta channel's links to the ingresses
         warm_up(self.host.engine)
 
     async def describe(self) -> dict[str, Any]:

@@ -5,6 +5,7 @@ import logging
 import os
 from typing import Any
 
+import ray
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
@@ -15,6 +16,7 @@ from starlette.exceptions import HTTPException
 
 from app.kvstore.handoff import HandOffs
 from app.serve.config import ServeArgs
+from app.serve.delta_inbox import DeltaInbox
 from app.serve.driver import RequestDriver
 from app.serve.grpc_servicer import GrpcIngress
 from app.serve.http_input import parse_request, read_limited
@@ -60,6 +62,9 @@ class Ingress(GrpcIngress):  # gRPC adapter: app/serve/grpc_servicer.py
         self.model_name = self.args.served_model_name or os.path.basename(model.rstrip("/"))
         self.tokenizer = Tokenizer.from_path(model)
         metrics = ReplicaMetrics("ingress", self.model_name)  # the client's view
+        inbox = None
+        if self.args.delta_channel == "socket":  # replicas connect here (delta_inbox.py)
+            inbox = await DeltaInbox.start(ray.util.get_node_ip_address())
         hints = self.args.allow_routing_hints
         # disaggregated: in-band prefill results posted for their decode calls, and those
         # the decode calls of ended choices will not take
@@ -67,12 +72,20 @@ class Ingress(GrpcIngress):  # gRPC adapter: app/serve/grpc_servicer.py
         local = self.args.local_prefill_tokens if prefill is not None else 0
         self.driver = RequestDriver(
             metrics, prefill, decode, engine, hints, hand_offs=hand_offs,
-            local_prefill_tokens=local,
+            local_prefill_tokens=local, inbox=inbox,
         )  # fmt: skip
         self.normalizer = RequestNormalizer(
             self.args, self.model_name, self.tokenizer, self.driver.describe
         )
         await self.driver.warm_up()  # routers know their replicas before the first request
+
+    def delta_inbox_stats(self) -> dict[str, int] | None:
+        """The delta inbox's frames received, choices open and deltas refused (tests, ops);
+        None with `delta_channel: serve`."""
+        inbox = self.driver.inbox
+        if inbox is None:
+            return None
+        return {"frames": inbox.frames, "open": inbox.num_open, "rejected": inbox.rejected}
 
     # --- routes -------------------------------------------------------------------
     @api.get("/health")

@@ -47,8 +47,8 @@ class PrefillServer(EngineReplica):
         (`HandOff`), for the decode replica, and comes here without them: no Ray ref
         travels back through Serve, whose by-value transport pickles outside Ray (an
         `ObjectRef` pickled so is pinned for its owner's life). One whose KV is in-band
-        comes whole (the ingress posts it), and so does one whose token ended the choice
-        (nothing to hand off)."""
+        comes whole (the ingress posts it); one whose token ended the choice comes without
+        its chunks (nothing to hand off)."""
         token: asyncio.Future[RequestDelta] = asyncio.get_running_loop().create_future()
 
         async def on_first(first: RequestDelta) -> None:
@@ -67,7 +67,9 @@ class PrefillServer(EngineReplica):
         self, req: GenerateRequest, on_first: Callable[[RequestDelta], Awaitable[None]]
     ) -> PrefillResult:
         result = await self._prefill(req, on_first)
-        if result.in_band or result.first.finish_reason in DONE_REASONS:
+        if result.first.finish_reason in DONE_REASONS:  # no decode call: nothing to hand
+            return dataclasses.replace(result, chunks=[])  # over (the store keeps its own)
+        if result.in_band:
             return result
         assert self.hand_offs is not None, "a prefill replica uses the store"
         await self.hand_offs.post(HandOff(req.request_id).key, result)

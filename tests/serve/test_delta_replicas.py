@@ -14,9 +14,8 @@ from app.serve.decode import DecodeServer
 from app.serve.delta_inbox import DeltaInbox
 from app.serve.delta_outbox import DeltaOutbox
 from app.serve.messages import DecodeRequest, GenerateRequest, HandOff, PrefillResult
-from app.serve.slots import Slots
 from app.serve.streaming import merge
-from serve.test_delta_channel import StepEngine
+from serve.step_engine import StepEngine
 
 
 class _Box:
@@ -46,7 +45,6 @@ class _Box:
 def _server(cls, engine: StepEngine, box: _Box | None = None):
     server = object.__new__(cls.func_or_class)  # the deployment's class, not started
     server.outbox = DeltaOutbox()
-    server.slots = Slots(8)
     server.hand_offs = box or _Box()
     server.host = SimpleNamespace(
         inflight_tokens=0,
@@ -67,13 +65,13 @@ def _calls(max_tokens: int):
     decode = DecodeRequest(gen, PrefillResult("r-0", first, [], "p"))
     handed_off = DecodeRequest(gen, HandOff("k"))
 
-    def take_from_the_box(server, to):
+    def take_from_the_box(server, to, claim):
         server.hand_offs.posted["k"] = decode.prefill  # what the prefill replica posted
-        return server.generate_to(handed_off, to)
+        return server.generate_to(handed_off, to, claim)
 
     return [
-        (EngineServer, lambda s, to: s.generate_to(gen, to)),
-        (DecodeServer, lambda s, to: s.generate_to(decode, to)),
+        (EngineServer, lambda s, to, claim: s.generate_to(gen, to, claim)),
+        (DecodeServer, lambda s, to, claim: s.generate_to(decode, to, claim)),
         (DecodeServer, take_from_the_box),
     ]
 
@@ -86,7 +84,7 @@ def test_generate_to_sends_every_delta_then_returns_its_summary():
         inbox = await DeltaInbox.start()
         queue = inbox.open("r-0")
         server = _server(cls, StepEngine())
-        summary = await call(server, inbox.reply_to)  # after the final delta was written
+        summary = await call(server, inbox.reply_to, queue.claim)  # final delta written
         got = await asyncio.wait_for(queue.get(), 10)
         while not got.finished:
             got = merge(got, await asyncio.wait_for(queue.get(), 10))
@@ -111,7 +109,7 @@ def test_cancelling_generate_to_aborts_the_engine_request():
         queue = inbox.open("r-0")
         engine = StepEngine()
         server = _server(cls, engine)
-        task = asyncio.ensure_future(call(server, inbox.reply_to))
+        task = asyncio.ensure_future(call(server, inbox.reply_to, queue.claim))
         await queue.get()
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)

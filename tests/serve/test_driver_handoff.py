@@ -123,6 +123,7 @@ def _request(max_tokens: int = 4) -> NormalizedRequest:
     )
 
 
+FULL = BackPressureError(num_queued_requests=1, max_queued_requests=1)
 FIRST = delta([40], "He", finished=True)  # prefill_only: finished, no reason
 REST = [delta([41], "l"), delta([42, 2], "lo", finished=True, reason="stop")]
 
@@ -170,7 +171,7 @@ def test_an_overloaded_decode_deployment_refuses_before_any_byte():
     """429 stays before the first byte: the token is not given out until the decode call
     has a replica; refused, the prefill stream is cancelled and its key discarded (the
     replica may post). Seen failing with the token given out before the assignment."""
-    setup = _Setup(FIRST, REST, refuse_decode=BackPressureError(num_queued_requests=1, max_queued_requests=1))
+    setup = _Setup(FIRST, REST, refuse_decode=FULL)
 
     async def go():
         stream = await setup.driver().start(_request())
@@ -185,7 +186,7 @@ def test_a_refused_prefill_leaves_nothing_to_discard():
     """A prefill refused by Serve's queue never runs nor posts: no decode call, no discard
     (under an overload storm each would leave a tombstone in the box). Seen failing with the
     discard made for every unsettled choice."""
-    setup = _Setup(FIRST, REST, refuse_prefill=BackPressureError(num_queued_requests=1, max_queued_requests=1))
+    setup = _Setup(FIRST, REST, refuse_prefill=FULL)
     with pytest.raises(BackPressureError):
         _run(setup, release=False)
     assert "decode" not in setup.calls and setup.box.discarded == []

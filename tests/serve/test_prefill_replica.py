@@ -1,6 +1,6 @@
-"""The prefill replica's Serve methods without Ray (`PrefillServer.prefill_to`, `prefill`):
-the deployment class's own code over a stand-in engine, sending the first token to a real
-inbox on loopback, its result to an in-memory hand-off box."""
+"""The prefill replica's Serve stream without Ray (`PrefillServer.prefill`): the deployment
+class's own code over a stand-in engine; its first token, then its result (posted to an
+in-memory hand-off box when its KV has chunk refs)."""
 
 from __future__ import annotations
 
@@ -14,51 +14,51 @@ import numpy as np
 from app.engine.request import RequestDelta
 from app.engine.sampling_params import SamplingParams
 from app.kvstore.store import StoredChunk
-from app.serve.delta_inbox import DeltaInbox
-from app.serve.delta_wire import head_id
-from app.serve.messages import GenerateRequest, HandOff
+from app.serve.messages import GenerateRequest
 from app.serve.metrics import ReplicaMetrics
 from app.serve.prefill import PrefillServer
-from app.serve.slots import Slots
-from serve.test_delta_channel import StepEngine
+from serve.step_engine import StepEngine
 from serve.test_delta_replicas import _server
 
 
-def test_prefill_to_sends_the_first_token_before_publishing_the_kv():
-    """Disaggregated: the prefill replica sends the first token to the inbox (under
-    `head_id`) as soon as the engine gives it, while the KV publish is still running; the
-    result carries the same token. The result with the KV's chunk refs goes to the hand-off
-    box under the call's key, the answer to the ingress carries none (it may cross the
-    direct call channel, where a Ray ref must not go). Seen failing (head.get() timed out)
-    with prefill_to not passing its sender to _prefill."""
+def test_prefill_gives_the_first_token_before_publishing_the_kv():
+    """Disaggregated: the prefill stream gives the first token as soon as the engine gives
+    it, while the KV publish is still running; the result carries the same token. The
+    result with the KV's chunk refs goes to the hand-off box under the choice's key, the
+    answer to the ingress carries none (Serve's by-value transport must not carry a Ray
+    ref). Seen failing (the token timed out) with prefill not passing its sender to
+    _prefill, and (chunks in the answer) with the result returned unposted."""
 
     async def main():
-        inbox, call, got, release, _ = await _prefill_to_its_head()
+        engine = ExportHeldEngine()
+        call, got, release, _ = await _prefill_to_its_head(engine, max_tokens=2)
+        engine.exported.set()
+        await asyncio.sleep(0.1)
         publishing = not call.done()
         release.set()
         result = await call
-        await inbox.stop()
         return got, publishing, result, call.server.hand_offs.posted
 
     got, publishing, result, posted = asyncio.run(main())
-    assert publishing and got.request_id == head_id("r-0")
+    assert publishing and got.request_id == "r-0"
     assert got.new_token_ids == result.first.new_token_ids == [1]
     assert result.first.request_id == "r-0" and result.first.exported_chunks is None
-    assert result.chunks == [] and result.posted and posted["h-0"].chunks == [PUBLISHED]
-    assert posted["h-0"].first == result.first
+    assert result.chunks == [] and result.posted and posted["r-0"].chunks == [PUBLISHED]
+    assert posted["r-0"].first == result.first
 
 
-def test_prefill_to_gives_a_result_whose_kv_is_in_band_to_the_ingress_not_the_box():
+def test_a_result_whose_kv_is_in_band_comes_back_whole_not_through_the_box():
     """A result whose chunks all travel in-band (their bytes, no Ray ref: a short prompt's
-    partial chunk) comes back whole and is not posted: the ingress delivers it to the
-    decode call. Seen failing (posted, chunks left out) with every result posted."""
+    partial chunk) comes back whole and is not posted: the ingress posts it for the decode
+    call. Seen failing (posted, chunks left out) with every result posted."""
     in_band = _chunk(b"p", np.zeros(8, np.uint8))
 
     async def main():
-        inbox, call, _, release, _ = await _prefill_to_its_head(chunk=in_band)
+        engine = ExportHeldEngine()
+        call, _, release, _ = await _prefill_to_its_head(engine, max_tokens=2, chunk=in_band)
+        engine.exported.set()
         release.set()
         result = await call
-        await inbox.stop()
         return result, call.server.hand_offs.posted
 
     result, posted = asyncio.run(main())
@@ -66,14 +66,28 @@ def test_prefill_to_gives_a_result_whose_kv_is_in_band_to_the_ingress_not_the_bo
     assert result.first.new_token_ids == [1]
 
 
-def test_prefill_to_sends_the_first_token_before_the_engine_exports_the_kv():
+def test_a_result_whose_token_ends_the_choice_comes_without_its_chunk_refs():
+    """max_tokens 1: no decode call follows, so nothing is posted, and the result crosses
+    Serve's by-value transport without its chunk refs. Seen failing (the refs in the
+    answer) with such a result returned whole."""
+
+    async def main():
+        call, _, release, _ = await _prefill_to_its_head(max_tokens=1)
+        release.set()
+        return await call, call.server.hand_offs.posted
+
+    result, posted = asyncio.run(main())
+    assert result.first.finish_reason == "length" and result.chunks == [] and posted == {}
+
+
+def test_prefill_gives_the_first_token_before_the_engine_exports_the_kv():
     """The engine gives a prefill-only request's token before its final delta (the KV
     export, app/engine/transfers.py): the replica sends the token on at once, then waits
     for the export and posts the merged result. Seen failing (head.get() timed out) with
     _prefill collecting every delta before calling on_first."""
     got, exporting, result, server = asyncio.run(_prefill_around_export(ExportHeldEngine()))
-    posted = server.hand_offs.posted["h-0"]
-    assert exporting and got.new_token_ids == [1] and got.finished  # final for the ingress
+    posted = server.hand_offs.posted["r-0"]
+    assert exporting and got.new_token_ids == [1] and not got.finished  # the export's is
     assert result.first.new_token_ids == [1] and result.first.finished
     assert posted.first == result.first and posted.chunks == [PUBLISHED]
 
@@ -86,7 +100,7 @@ def test_a_failed_export_after_the_token_hands_over_only_the_stored_prefix():
     without the except in _hand_over, and (no count) without its `inc`."""
     engine = ExportHeldEngine(error="KV export failed: disk on fire")
     got, _, result, server = asyncio.run(_prefill_around_export(engine, [STORED]))
-    posted = server.hand_offs.posted["h-0"]
+    posted = server.hand_offs.posted["r-0"]
     assert got.new_token_ids == result.first.new_token_ids == [1]
     assert result.first.finished and result.first.error is None
     assert posted.first == result.first and posted.chunks == [STORED]
@@ -109,13 +123,12 @@ def test_prefill_cancelled_while_the_engine_exports_still_publishes_the_kv():
 
     async def main():
         engine = ExportHeldEngine()
-        inbox, call, _, release, published = await _prefill_to_its_head(engine, max_tokens=2)
+        call, _, release, published = await _prefill_to_its_head(engine, max_tokens=2)
         release.set()  # only the engine's export is held here
         call.cancel()  # what Ray's cancel does to the replica's coroutine
         await asyncio.wait({call})
         engine.exported.set()
         await asyncio.wait_for(published.wait(), 10)
-        await inbox.stop()
         return call, engine.aborted, call.server.exported
 
     call, aborted, exported = asyncio.run(main())
@@ -123,15 +136,14 @@ def test_prefill_cancelled_while_the_engine_exports_still_publishes_the_kv():
 
 
 async def _prefill_around_export(engine: ExportHeldEngine, reused: list | None = None):
-    """A `prefill_to` call over ``engine`` (publish not held; ``reused``: the chunks the
-    store had): -> (the token the inbox got, whether the call was still running then, its
-    answer, the server)."""
-    inbox, call, got, release, _ = await _prefill_to_its_head(engine, 2, reused)
+    """A `prefill` stream over ``engine`` (publish not held; ``reused``: the chunks the
+    store had): -> (its token, whether the stream was still running then, its result, the
+    server)."""
+    call, got, release, _ = await _prefill_to_its_head(engine, 2, reused)
     release.set()  # only the engine's export is held here
     exporting = not call.done()
     engine.exported.set()
     result = await asyncio.wait_for(call, 10)
-    await inbox.stop()
     return got, exporting, result, call.server
 
 
@@ -158,29 +170,6 @@ class ExportHeldEngine(StepEngine):
         return out
 
 
-def test_a_serve_prefill_call_waits_for_one_of_the_replicas_slots():
-    """`prefill` (``max_tokens: 1``, placed by Serve only) shares the replica's slots with
-    the direct calls: while they hold them all it waits, then runs and gives its slot
-    back. Seen failing (the engine ran it at once) with `prefill` taking no slot."""
-
-    async def main():
-        engine = StepEngine()
-        server, release, _ = _publish_held(engine)
-        release.set()
-        server.slots = Slots(1)
-        assert server.slots.try_take()  # a direct call holds the only slot
-        gen = GenerateRequest("r-0", [1, 2, 3], SamplingParams(max_tokens=1))
-        call = asyncio.ensure_future(server.prefill(gen))
-        await asyncio.sleep(0.3)
-        waited = not call.done() and engine.steps == 0
-        server.slots.release()
-        result = await asyncio.wait_for(call, 10)
-        return waited, result, server.slots.free
-
-    waited, result, free = asyncio.run(main())
-    assert waited and result.first.new_token_ids == [1] and free == 1
-
-
 def test_prefill_cancelled_after_its_first_token_still_publishes_the_kv():
     """A client that leaves after the first token makes Ray cancel the prefill call (a
     child task of the ingress's cancelled call) while the KV is being published: the
@@ -188,12 +177,11 @@ def test_prefill_cancelled_after_its_first_token_still_publishes_the_kv():
     (published.wait() timed out) with _prefill awaiting the publish unshielded."""
 
     async def main():
-        inbox, call, _, release, published = await _prefill_to_its_head()
+        call, _, release, published = await _prefill_to_its_head()
         call.cancel()  # what Ray's cancel does to the replica's coroutine
         await asyncio.wait({call})
         release.set()
         await asyncio.wait_for(published.wait(), 10)
-        await inbox.stop()
         return call
 
     assert asyncio.run(main()).cancelled()
@@ -205,18 +193,24 @@ async def _prefill_to_its_head(
     reused: list | None = None,
     chunk: object = None,
 ):
-    """A `prefill_to` call over ``engine`` (publish held; ``reused``: the chunks the store
-    had; ``chunk``: what the publish gives, PUBLISHED if None) run until its first token
-    reached the inbox: -> (inbox, the call's task, that token, release, published); the
-    call's server is ``call.server``."""
-    inbox = await DeltaInbox.start()
-    head = inbox.open(head_id("r-0"))
+    """A `prefill` stream over ``engine`` (publish held; ``reused``: the chunks the store
+    had; ``chunk``: what the publish gives, PUBLISHED if None) read up to its first token:
+    -> (a task reading the rest: the result, then the stream's end; that token, release,
+    published); the server is ``call.server``."""
     server, release, published = _publish_held(engine, reused, chunk or PUBLISHED)
     gen = GenerateRequest("r-0", [1, 2, 3], SamplingParams(max_tokens=max_tokens))
-    call = asyncio.ensure_future(server.prefill_to(gen, inbox.reply_to, HandOff("h-0")))
+    stream = server.prefill(gen)
+    got = await asyncio.wait_for(anext(stream), 10)
+    call = asyncio.ensure_future(_the_rest(stream))
     call.server = server
-    got = await asyncio.wait_for(head.get(), 10)
-    return inbox, call, got, release, published
+    return call, got, release, published
+
+
+async def _the_rest(stream):
+    """The stream's last item (its result), read to the stream's end."""
+    items = [item async for item in stream]
+    assert len(items) == 1, items
+    return items[0]
 
 
 def _publish_held(
