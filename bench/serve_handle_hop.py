@@ -1,18 +1,20 @@
-"""What one Ray Serve handle call costs before the callee runs, with no engine behind it,
-against the same call over slimserve's direct call channel.
+"""What one Ray Serve handle call costs before the callee runs, with no engine behind it:
+Serve's default (by reference, a user-code thread and a router loop) and its
+throughput-optimized transport (RAY_SERVE_THROUGHPUT_OPTIMIZED=1: by value over gRPC, no
+separate thread or loop), each in a local Ray of its own.
 
 A caller deployment sends bursts of 1 and 8 calls at once to a callee deployment (routed by
 slimserve's `TokenAwareRouter`, as the engine replicas are) whose method only returns how
 long after the caller placed it it was entered, then holds the call open (like a
 long-lived `generate_to`). That entry latency is the "replica call placed -> generate_to
 entered" stage of the served TTFT trace (docs/performance.md), measured without the model,
-HTTP or token traffic: Serve's own share of it. The same bursts then go over the direct call
-channel (`DirectCaller` -> the callee's `CallPort`, as colocated calls go by default).
+HTTP or token traffic: Serve's own share of it.
 
     python bench/serve_handle_hop.py [--bursts 10] [--env RAY_SERVE_X=0 ...]
 
---env sets Ray Serve switches for the whole local Ray (e.g.
-RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0). Writes bench/results/serve_handle_hop.json.
+Without --env it runs itself twice (default, then RAY_SERVE_THROUGHPUT_OPTIMIZED=1) and
+writes both to bench/results/serve_handle_hop.json; --env sets Ray Serve switches for one
+local Ray (e.g. RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0).
 """
 
 from __future__ import annotations
@@ -35,55 +37,30 @@ def deployments():
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
-    from app.serve.call_port import CallPort
-    from app.serve.direct_calls import DirectCaller
-    from app.serve.messages import GenerateRequest, RoutingInfo
-    from app.serve.replica import node_ip
-    from app.serve.slots import Slots
-
     router = RequestRouterConfig(
         request_router_class="app.serve.router:TokenAwareRouter",
-        request_router_kwargs={"role": "prefill", "deployment": "Callee"},
+        request_router_kwargs={"role": "prefill"},
         request_routing_stats_period_s=0.2,
     )
 
     @serve.deployment(max_ongoing_requests=32, request_router_config=router)
     class Callee:
-        def __init__(self):
-            self.port = CallPort(self, node_ip(), Slots(32))
-            self._start = asyncio.get_running_loop().create_task(self.port.start())
-
-        def record_routing_stats(self) -> dict:
-            return {"call_port": self.port.address.to_stats()}
-
         async def call(self, sent: float) -> float:
             entered = time.time() - sent
             await asyncio.sleep(HOLD_S)
             return entered
 
-        run_generate_to = call  # what a direct "generate_to" call runs
-
     @serve.deployment
     class Caller:
         def __init__(self, callee):
             self.callee = callee
-            self.direct = DirectCaller("hop", "Callee")
 
-        def _place(self, direct: bool):
-            sent = time.time()
-            if not direct:
-                return self.callee.call.remote(sent)
-            gen = GenerateRequest("hop", [0], None, routing=RoutingInfo(1))
-            return self.direct.call(
-                "generate_to", gen, (sent,), lambda: self.callee.call.remote(sent)
-            )
-
-        async def bursts(self, size: int, count: int, direct: bool) -> list[float]:
+        async def bursts(self, size: int, count: int) -> list[float]:
             await self.callee.call.remote(time.time())  # the router learns its replica
-            await self.direct.ready()
             out: list[float] = []
             for _ in range(count):
-                out += await asyncio.gather(*[self._place(direct) for _ in range(size)])
+                calls = [self.callee.call.remote(time.time()) for _ in range(size)]
+                out += await asyncio.gather(*calls)
                 await asyncio.sleep(0.2)
             return out
 
@@ -94,12 +71,11 @@ async def measure(caller, bursts: int) -> dict[int, dict]:
     """Awaited from a loop: a handle whose router shares its caller's loop
     (RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0) cannot be used from sync code."""
     rows = {}
-    for how in ("serve", "direct"):
-        for size in (1, 8):
-            ms = [x * 1e3 for x in await caller.bursts.remote(size, bursts, how == "direct")]
-            row = {"calls": len(ms), "entry_ms_p50": median(ms), "entry_ms_p99": pct(ms, 0.99)}
-            rows[f"{how}/{size}"] = row
-            print(f"{how}, burst of {size}: entered {row['entry_ms_p50']:.2f} ms p50 after placing")
+    for size in (1, 8):
+        ms = [x * 1e3 for x in await caller.bursts.remote(size, bursts)]
+        row = {"calls": len(ms), "entry_ms_p50": median(ms), "entry_ms_p99": pct(ms, 0.99)}
+        rows[f"serve/{size}"] = row
+        print(f"burst of {size}: entered {row['entry_ms_p50']:.2f} ms p50 after placing")
     from ray import serve
 
     await serve.shutdown_async()  # on the loop the handle's router may live on
@@ -112,6 +88,8 @@ def main(argv=None) -> dict:
     p.add_argument("--env", nargs="*", default=[], help="NAME=VALUE for the local Ray")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    if not args.env:
+        return both(args)
     env = dict(kv.split("=", 1) for kv in args.env)
     os.environ.update(env)  # before Ray starts: its workers inherit it
     import ray
@@ -128,6 +106,25 @@ def main(argv=None) -> dict:
     kwargs = {"out_dir": args.out} if args.out else {}
     write_json("serve_handle_hop", result, **kwargs)
     return result
+
+
+def both(args) -> dict:
+    """Serve's default and its throughput-optimized transport, each in its own process."""
+    import json
+    import subprocess
+    import tempfile
+
+    runs = {}
+    for name, env in (("default", "RAY_SERVE_THROUGHPUT_OPTIMIZED=0"),
+                      ("throughput_optimized", "RAY_SERVE_THROUGHPUT_OPTIMIZED=1")):  # fmt: skip
+        with tempfile.TemporaryDirectory() as out:
+            cmd = [sys.executable, __file__, "--bursts", str(args.bursts), "--out", out]
+            subprocess.run([*cmd, "--env", env], check=True)
+            with open(os.path.join(out, "serve_handle_hop.json")) as f:
+                runs[name] = json.load(f)
+    kwargs = {"out_dir": args.out} if args.out else {}
+    write_json("serve_handle_hop", runs, **kwargs)
+    return runs
 
 
 if __name__ == "__main__":

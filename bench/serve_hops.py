@@ -122,7 +122,7 @@ def engine_depth(model: str, prompts, c: int) -> dict:
 def handle_depth(mode: str, prompts, c: int) -> dict:
     from ray import serve
 
-    from app.serve.messages import DecodeRequest, GenerateRequest, RoutingInfo
+    from app.serve.messages import DecodeRequest, GenerateRequest, HandOff, RoutingInfo
 
     async def one(p):
         gen = GenerateRequest(uuid.uuid4().hex, p, params(), None, RoutingInfo(len(p)))
@@ -130,10 +130,15 @@ def handle_depth(mode: str, prompts, c: int) -> dict:
         if mode == "colocated":
             h = serve.get_deployment_handle("EngineServer", "hops")
             return await timed_stream(h.options(stream=True).generate.remote(gen), start)
-        pre = await serve.get_deployment_handle("PrefillServer", "hops").prefill.remote(gen)
+        prefill = serve.get_deployment_handle("PrefillServer", "hops").options(stream=True)
+        items = prefill.prefill.remote(gen)
+        await anext(items)  # the first token
         first = time.perf_counter() - start
+        async for _ in items:  # its result, posted to the hand-off box
+            pass
         dec = serve.get_deployment_handle("DecodeServer", "hops").options(stream=True)
-        rest = await timed_stream(dec.generate.remote(DecodeRequest(gen, pre, gen.routing)), start)
+        message = DecodeRequest(gen, HandOff(gen.request_id), gen.routing)
+        rest = await timed_stream(dec.generate.remote(message), start)
         return {"ttft": first, "tokens": rest["tokens"] + 1, "tpot": rest["tpot"]}
 
     return asyncio.run(loop(one, prompts, c))

@@ -16,7 +16,7 @@ from app.kv.chunk_format import ChunkFormat
 from app.kvstore.handoff import WAIT_S, HandOffs
 from app.kvstore.store import KVStoreClient
 from app.kvstore.transfer import fetch_verified
-from app.serve.messages import DecodeRequest, GenerateRequest, RoutingInfo
+from app.serve.messages import DecodeRequest, GenerateRequest, HandOff, RoutingInfo
 from app.serve.replica import prompt_chunk_keys
 from serve.apps import running_app, tiny_serve_args
 
@@ -198,26 +198,18 @@ def test_corrupted_chunk_is_detected_counted_and_recomputed(url, store, info, of
     assert not got.failures and len(got.chunks) == len(keys) == 11
 
 
-def decode_direct_calls() -> int:
-    handle = serve.get_deployment_handle("DecodeServer", "slimserve")  # one replica
-    return handle.stats.remote().result().get("direct_calls", 0)
-
-
-def test_both_calls_go_over_the_direct_channel_and_leave_nothing_in_the_box(url, offline):
-    """Disaggregated, the prefill's and the decode's calls are placed over the direct call
-    channel: neither message carries a Ray ref, the prefill's result (with the KV's chunk
-    refs) reaching the decode replica through the store's hand-off box. The texts match
-    offline, and every hand-off was taken: the box holds nothing after. Seen failing
-    (prefill_via "serve") with the ingress given a direct caller for the colocated engine
-    only."""
+def test_the_prefill_result_reaches_the_decode_replica_through_the_box(url, offline):
+    """Disaggregated, the prefill's result (with the KV's chunk refs) reaches the decode
+    replica through the store's hand-off box; no Ray ref crosses the ingress (Serve's
+    by-value transport would pin it). The texts match offline, and every hand-off was
+    taken: the box holds nothing after. Seen failing (prefill_posted False, the refs in the
+    prefill's answer) with the prefill replica returning its result unposted."""
     prompts = [prompt_ids(40 + i, n=70) for i in range(4)]
-    before = decode_direct_calls()
     for prompt in prompts:
         got = complete(url, prompt)
         assert got["choices"][0]["text"] == want_text(offline, prompt)
-        assert got["slimserve"]["choices"][0]["prefill_via"] == "direct"
+        assert got["slimserve"]["choices"][0]["prefill_via"] == "remote"
         assert got["slimserve"]["choices"][0]["prefill_posted"]  # its chunks have refs
-    assert decode_direct_calls() - before == len(prompts)
     box = HandOffs("slimserve-kvstore")
     # Earlier tests' clients left at the first token: their decode calls' takes end within
     # WAIT_S in the box (their keys discarded, so nothing stays held).
@@ -226,24 +218,23 @@ def test_both_calls_go_over_the_direct_channel_and_leave_nothing_in_the_box(url,
     assert after["held"] == 0 and after["taken"] >= len(prompts), after
 
 
-def test_a_short_prompts_result_reaches_the_decode_call_from_the_ingress_not_the_box(url, offline):
-    """A prompt shorter than a chunk: its KV is one small partial chunk, in-band, so the
-    prefill's result comes back whole to the ingress, which delivers it to the decode
-    call; the hand-off box sees no post and no take. The texts match offline. Seen
-    failing (prefill_posted True, posted +4) with the prefill replica posting every
-    result."""
+def test_a_short_prompts_in_band_result_is_posted_by_the_ingress(url, offline):
+    """A prompt shorter than a chunk sent to a prefill replica (a routing hint): its KV is
+    one small partial chunk, in-band, so the prefill's result comes back whole to the
+    ingress, which posts it for the decode call: one post and one take each, nothing held.
+    The texts match offline. Seen failing (the decode call waited for the box until its
+    timeout) without the ingress's post."""
     prompts = [prompt_ids(60 + i, n=20) for i in range(4)]  # chunk_tokens 32
     box = HandOffs("slimserve-kvstore")
     assert eventually(lambda: asyncio_run(box.stats())["waiting"] == 0, WAIT_S + 5)
     before = asyncio_run(box.stats())
-    calls = decode_direct_calls()
     for prompt in prompts:
-        got = complete(url, prompt)
+        got = complete(url, prompt, replica=0)
         assert got["choices"][0]["text"] == want_text(offline, prompt)
         assert got["slimserve"]["choices"][0]["prefill_posted"] is False
     after = asyncio_run(box.stats())
-    assert decode_direct_calls() - calls == len(prompts)
-    assert (after["posted"], after["taken"]) == (before["posted"], before["taken"]), after
+    assert after["posted"] - before["posted"] == after["taken"] - before["taken"] == len(prompts)
+    assert after["held"] == 0, after
 
 
 def streamed_text(url, prompt, **extra) -> str:
@@ -262,18 +253,17 @@ def test_a_prompt_under_the_local_limit_prefills_on_its_decode_replica(url, offl
     hand-off (the box sees no post or take). Its text, unary and streamed, matches offline;
     a seeded sampled choice draws the same tokens prefilled locally and through a prefill
     replica (named by a routing hint), the noise being keyed by (seed, position). Seen
-    failing (prefill_via "direct") with the ingress's limit at 0."""
+    failing (prefill_via "remote") with the ingress's limit at 0."""
     prompts = [prompt_ids(80 + i, n=16 - i) for i in range(3)]
     box = HandOffs("slimserve-kvstore")
     assert eventually(lambda: asyncio_run(box.stats())["waiting"] == 0, WAIT_S + 5)
-    before, calls = asyncio_run(box.stats()), decode_direct_calls()
+    before = asyncio_run(box.stats())
     for prompt in prompts:
         got = complete(url, prompt)
         assert got["choices"][0]["text"] == want_text(offline, prompt)
         assert got["slimserve"]["choices"][0]["prefill_via"] == "local"
         assert streamed_text(url, prompt, temperature=0) == want_text(offline, prompt)
     after = asyncio_run(box.stats())
-    assert decode_direct_calls() - calls == 2 * len(prompts)
     assert (after["posted"], after["taken"]) == (before["posted"], before["taken"]), after
     sampled = {"temperature": 1.0, "seed": 11, "max_tokens": 12}
     local = complete(url, prompts[0], **sampled)
@@ -286,9 +276,9 @@ def test_decode_completes_after_the_prefill_replica_dies(url, store, offline):
     prompt = prompt_ids(20, n=90)  # chunks of 32 + 32 + 26 (the last one travels uncached)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     gen = GenerateRequest("kill-test", prompt, params, routing=RoutingInfo(len(prompt)))
-    prefill = serve.get_deployment_handle("PrefillServer", "slimserve")
-    result = prefill.prefill.remote(gen).result()
-    assert len(result.chunks) == 3
+    prefill = serve.get_deployment_handle("PrefillServer", "slimserve").options(stream=True)
+    *_, result = list(prefill.prefill.remote(gen))  # the token, then the result
+    assert result.posted  # its 3 chunks wait in the hand-off box under the choice's key
     victim = ray.get_actor(result.replica, namespace="serve")
     ray.kill(victim, no_restart=True)
     deadline = time.monotonic() + 30
@@ -299,7 +289,7 @@ def test_decode_completes_after_the_prefill_replica_dies(url, store, offline):
             break
         time.sleep(0.2)
     decode = serve.get_deployment_handle("DecodeServer", "slimserve").options(stream=True)
-    deltas = list(decode.generate.remote(DecodeRequest(gen, result, gen.routing)))
+    deltas = list(decode.generate.remote(DecodeRequest(gen, HandOff(gen.request_id), gen.routing)))
     tokens = result.first.new_token_ids + [t for d in deltas for t in d.new_token_ids]
     want = offline.generate([prompt], params)[0]
     assert tokens == want.token_ids

@@ -95,13 +95,12 @@ def tally(outcomes: list[Outcome], wants: list[str]) -> Counter:
 
 
 def wait_idle(handle, timeout_s: float = 30) -> dict:
-    """The replica runs nothing, every KV block is free (cached blocks count as free) and
-    none of its slots (`max_ongoing_requests`, app/serve/slots.py) is held."""
+    """The replica runs nothing and every KV block is free (cached blocks count as free)."""
     end = time.monotonic() + timeout_s
     while True:
         s = handle.stats.remote().result(timeout_s=30)
         if (
-            s["num_running"] == s["num_waiting"] == s["slots_in_use"] == 0
+            s["num_running"] == s["num_waiting"] == 0
             and s["kv_blocks_free"] == s["kv_blocks_total"]
         ):
             return s
