@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterator
 
 from ray import serve
 
@@ -41,18 +41,23 @@ class DecodeServer(EngineReplica):
         prompt = req.request.prompt_token_ids
         self.host.inflight_tokens += len(prompt)
         try:
-            if isinstance(req.prefill, HandOff):
-                req = dataclasses.replace(req, prefill=await self._prefill_result(req.prefill))
-            request = await self._request(req)
-            deltas = self._drop_rejected(self.host.async_engine.generate(request))
-            # timed: inter-token latency on this replica (and TTFT when it prefilled)
-            after_first = req.prefill is not None  # the first token came from prefill
-            metrics = self.host.metrics
-            timed = metrics.timed(deltas, len(prompt), count=False, after_first_token=after_first)
-            # Closed explicitly (see EngineServer.generate): a cancel aborts at once.
-            async with contextlib.aclosing(coalesce(timed, self.args.stream_interval_s)) as s:
-                async for delta in s:
-                    yield dataclasses.replace(delta, num_prompt_tokens=len(prompt))
+            with self._local_prefill(req) as prefilled:
+                if isinstance(req.prefill, HandOff):
+                    prefill = await self._prefill_result(req.prefill)
+                    req = dataclasses.replace(req, prefill=prefill)
+                request = await self._request(req)
+                deltas = self._drop_rejected(self.host.async_engine.generate(request))
+                # timed: inter-token latency on this replica (and TTFT when it prefilled)
+                after_first = req.prefill is not None  # the first token came from prefill
+                metrics = self.host.metrics
+                timed = metrics.timed(
+                    deltas, len(prompt), count=False, after_first_token=after_first
+                )
+                # Closed explicitly (see EngineServer.generate): a cancel aborts at once.
+                async with contextlib.aclosing(coalesce(timed, self.args.stream_interval_s)) as s:
+                    async for delta in s:
+                        prefilled()
+                        yield dataclasses.replace(delta, num_prompt_tokens=len(prompt))
         finally:
             self.host.inflight_tokens -= len(prompt)
 
@@ -78,10 +83,13 @@ class DecodeServer(EngineReplica):
 
         self.host.inflight_tokens += len(prompt)
         try:
-            if isinstance(req.prefill, HandOff):
-                req = dataclasses.replace(req, prefill=await self._prefill_result(req.prefill))
-            request = await self._request(req)
-            await stream_to(link, self.host.async_engine.run(request, on_delta))
+            with self._local_prefill(req) as prefilled:
+                if isinstance(req.prefill, HandOff):
+                    prefill = await self._prefill_result(req.prefill)
+                    req = dataclasses.replace(req, prefill=prefill)
+                request = await self._request(req)
+                sent = lambda delta: (prefilled(), on_delta(delta))  # noqa: E731
+                await stream_to(link, self.host.async_engine.run(request, sent))
             completed = True
         finally:
             self.host.inflight_tokens -= len(prompt)
@@ -90,6 +98,24 @@ class DecodeServer(EngineReplica):
                 if isinstance(failure, Exception):
                     log.warning("dropping a rejected chunk from the store failed: %s", failure)
         return StreamSummary(req.request.request_id, tokens)
+
+    @contextlib.contextmanager
+    def _local_prefill(self, req: DecodeRequest) -> Iterator[Callable[[], None]]:
+        """Counts a choice this replica prefills itself (no prefill result) in its queued
+        prefill tokens (`placement_load`) until ``prefilled()`` is called (its first token)
+        or the choice ends."""
+        pending = len(req.request.prompt_token_ids) if req.prefill is None else 0
+        self.host.local_prefill_tokens += pending
+
+        def prefilled() -> None:
+            nonlocal pending
+            self.host.local_prefill_tokens -= pending
+            pending = 0
+
+        try:
+            yield prefilled
+        finally:
+            prefilled()
 
     async def _prefill_result(self, hand_off: HandOff) -> PrefillResult:
         """The prefill's result, taken from the hand-off box (posted there by the prefill

@@ -24,9 +24,11 @@ from app.engine.request import RequestDelta
 from app.kvstore.handoff import HandOffs
 from app.serve.call_deltas import ChoiceCall, inbox_call, stream_call
 from app.serve.delta_inbox import DeltaInbox
+from app.serve.load_view import LoadView
 from app.serve.messages import DecodeRequest, GenerateRequest, HandOff, PrefillResult
 from app.serve.metrics import ReplicaMetrics
 from app.serve.normalize import EngineInfo, NormalizedRequest
+from app.serve.prefill_placement import PlacementConfig, PromptLoad, place_prefill
 from app.serve.responses import (
     DONE_REASONS,
     Admission,
@@ -70,6 +72,8 @@ class RequestDriver:
         hand_offs: HandOffs | None = None,
         local_prefill_tokens: int = 0,
         inbox: DeltaInbox | None = None,
+        load_view: LoadView | None = None,
+        placement_config: PlacementConfig | None = None,
     ):
         assert (engine is None) != (prefill is None and decode is None), "one mode"
         assert prefill is None or hand_offs is not None, "disaggregated hands off in the box"
@@ -86,6 +90,9 @@ class RequestDriver:
         # Disaggregated: a prompt of at most this many tokens prefills on its decode replica
         # (ServeArgs.local_prefill_max_tokens); 0: none does
         self.local_prefill_tokens = local_prefill_tokens
+        # Disaggregated: the replicas' load and the policy that places each prefill by it
+        # (app/serve/prefill_placement.py); None: the prompt-length rule alone
+        self.load_view, self.placement_config = load_view, placement_config
         self._info: EngineInfo | None = None
         self.placement: dict[str, dict[str, Any]] = {}  # engine request id -> where it ran
 
@@ -147,11 +154,26 @@ class RequestDriver:
                 yield delta
 
     def _prefills_locally(self, gen: GenerateRequest) -> bool:
-        """A short prompt prefills on its decode replica: it fills no KV chunk (nothing for
-        the store), so a prefill replica would add only the hand-off. A routing hint names
-        a prefill replica: the prompt goes there."""
-        short = len(gen.prompt_token_ids) <= self.local_prefill_tokens
-        return short and gen.routing.hint is None
+        """Whether the choice's decode replica prefills its prompt. A routing hint names a
+        prefill replica, and a limit of 0 sends every prompt there. Otherwise the load-aware
+        policy decides (app/serve/prefill_placement.py): a short prompt (it fills no KV
+        chunk, so nothing for the store) prefills locally unless the decode replica cannot
+        hold it, and a longer one too when its decode replica would give it its first token
+        clearly sooner than the prefill replicas' queue; until the replicas have reported
+        their load, the prompt's length alone decides."""
+        n = len(gen.prompt_token_ids)
+        if gen.routing.hint is not None or self.local_prefill_tokens == 0:
+            return False
+        view, config = self.load_view, self.placement_config
+        if view is None or config is None or not view.known:
+            return n <= self.local_prefill_tokens
+        prefill, decode = view.prefill_load(), view.decode_load()
+        placement = place_prefill(PromptLoad(n), prefill, decode, config)
+        view.placed(placement.where, n)
+        self.metrics.inc("slimserve:prefill_placements", 1, **placement.labels)
+        self.metrics.set("slimserve:prefill_queue_tokens", prefill.queued_tokens)
+        self.metrics.set("slimserve:decode_headroom_tokens", decode.headroom_tokens)
+        return placement.where == "local"
 
     async def _one_call(
         self,

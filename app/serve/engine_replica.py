@@ -46,6 +46,10 @@ class EngineReplica:
     def record_routing_stats(self) -> dict[str, Any]:
         return self.host.routing_stats()
 
+    def placement_load(self) -> dict[str, int]:
+        """Broadcast by each ingress every routing period (app/serve/load_view.py)."""
+        return self.host.placement_load()
+
     def record_autoscaling_stats(self) -> dict[str, float]:
         return self.host.autoscaling_stats()
 

@@ -20,10 +20,12 @@ from app.serve.delta_inbox import DeltaInbox
 from app.serve.driver import RequestDriver
 from app.serve.grpc_servicer import GrpcIngress
 from app.serve.http_input import parse_request, read_limited
+from app.serve.load_view import LoadView
 from app.serve.metrics import ReplicaMetrics
 from app.serve.normalize import RequestNormalizer
 from app.serve.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest
 from app.serve.openapi_schema import json_operation
+from app.serve.prefill_placement import PlacementConfig
 from app.serve.replica import resolve_model
 from app.serve.responses import error_from_exception, final_body, sse_chunks
 from app.tokenizer import Tokenizer
@@ -70,14 +72,24 @@ class Ingress(GrpcIngress):  # gRPC adapter: app/serve/grpc_servicer.py
         # the decode calls of ended choices will not take
         hand_offs = HandOffs(self.args.store_name) if prefill is not None else None
         local = self.args.local_prefill_tokens if prefill is not None else 0
+        view = config = None
+        if prefill is not None:  # disaggregated: each prefill placed by load
+            view = LoadView(prefill, decode, self.args.routing_stats_period_s)
+            config = PlacementConfig(
+                short_prompt_tokens=local,
+                step_prefill_tokens=self.args.engine.max_num_batched_tokens,
+                max_decode_running=self.args.max_ongoing_requests,
+            )
         self.driver = RequestDriver(
             metrics, prefill, decode, engine, hints, hand_offs=hand_offs,
-            local_prefill_tokens=local, inbox=inbox,
+            local_prefill_tokens=local, inbox=inbox, load_view=view, placement_config=config,
         )  # fmt: skip
         self.normalizer = RequestNormalizer(
             self.args, self.model_name, self.tokenizer, self.driver.describe
         )
         await self.driver.warm_up()  # routers know their replicas before the first request
+        if view is not None:
+            view.start()
 
     def delta_inbox_stats(self) -> dict[str, int] | None:
         """The delta inbox's frames received, choices open and deltas refused (tests, ops);

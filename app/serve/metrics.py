@@ -76,6 +76,17 @@ SPECS: dict[str, MetricSpec] = {
         "counter", "Prefills whose KV export failed (the decode replica recomputed the prompt)."
     ),
     "slimserve:preemptions": MetricSpec("counter", "Sequences preempted for lack of KV blocks."),
+    "slimserve:prefill_placements": MetricSpec(
+        "counter",
+        "Prefill placement decisions (app/serve/prefill_placement.py), by where and why.",
+        tags=("where", "reason"),
+    ),
+    "slimserve:prefill_queue_tokens": MetricSpec(
+        "gauge", "Prompt tokens queued on the least-loaded prefill replica (placement input)."
+    ),
+    "slimserve:decode_headroom_tokens": MetricSpec(
+        "gauge", "Free KV tokens less queued local prefills on the best decode replica."
+    ),
     "slimserve:local_prefills": MetricSpec(
         "counter", "Choices given to their decode replica to prefill (a prompt under a KV chunk)."
     ),
@@ -260,9 +271,13 @@ class ReplicaMetrics:
     def observe(self, name: str, value: float) -> None:
         _metric(name).observe(value, self.tags)
 
-    def inc(self, name: str, value: float) -> None:
+    def inc(self, name: str, value: float, **tags: str) -> None:
+        """``tags``: the values of the metric's own tags (MetricSpec.tags)."""
         if value > 0:
-            _metric(name).inc(value, self.tags)
+            _metric(name).inc(value, {**self.tags, **tags})
+
+    def set(self, name: str, value: float) -> None:
+        _metric(name).set(value, self.tags)
 
 
 class RequestTimer:

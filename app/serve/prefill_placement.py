@@ -115,6 +115,11 @@ class Placement:
     ttft_remote_s: float  # inf when no prefill replica runs
     reason: str  # one of the reasons above
 
+    @property
+    def labels(self) -> dict[str, str]:
+        """The tags of its PLACEMENTS count."""
+        return {"where": self.where, "reason": self.reason}
+
 
 def prefill_demand_tokens(prompt: PromptLoad, config: PlacementConfig) -> int:
     """The tokens a prompt adds to prefill demand (the autoscaler's prefill signal): its

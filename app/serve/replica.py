@@ -63,6 +63,9 @@ class EngineHost:
         self.block_size = spec.block_size
         self.expect = self.engine.chunk_format  # what fetched chunks must match
         self.inflight_tokens = 0  # prompt tokens of requests this replica is working on
+        # decode: prompt tokens of choices it prefills itself, until their first token
+        self.local_prefill_tokens = 0
+        self.role = role
         self._recent: OrderedDict[int, None] = OrderedDict()
         model = model_label(args.served_model_name, self.engine.config.model)
         self.metrics = ReplicaMetrics(role, model)  # app/serve/metrics.py
@@ -171,6 +174,19 @@ class EngineHost:
 
     def stats(self) -> dict[str, Any]:
         return {**self.engine.stats(), "inflight_tokens": self.inflight_tokens, "name": self.name}
+
+    def placement_load(self) -> dict[str, int]:
+        """What the ingress's prefill placement policy reads (app/serve/load_view.py): the
+        prompt tokens still to prefill here (a prefill replica: every prompt in flight; a
+        decode replica: the prompts it was given to prefill, until their first token), its
+        free KV tokens and its running batch."""
+        s = self.engine.stats()
+        queued = self.inflight_tokens if self.role == "prefill" else self.local_prefill_tokens
+        return {
+            "queued_prefill_tokens": queued,
+            "free_kv_tokens": int(s["kv_blocks_free"]) * self.block_size,
+            "num_running": int(s["num_running"]),
+        }
 
     def autoscaling_stats(self) -> dict[str, float]:
         """The load Serve's autoscaler sees (app/serve/autoscaling.py)."""

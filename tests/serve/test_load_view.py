@@ -1,0 +1,74 @@
+"""The ingress's load view and the driver's use of it: the placement policy fed by the
+replicas' reports (no Ray: reports are given to `LoadView.update` directly)."""
+
+from __future__ import annotations
+
+from app.engine.sampling_params import SamplingParams
+from app.serve.driver import RequestDriver
+from app.serve.load_view import LoadView
+from app.serve.messages import GenerateRequest, RoutingInfo
+from app.serve.metrics import ReplicaMetrics
+from app.serve.prefill_placement import PlacementConfig
+from serve.test_driver import FakeBox, FakeHandle
+
+
+def report(queued: int, free: int = 100_000, running: int = 0) -> dict:
+    return {"queued_prefill_tokens": queued, "free_kv_tokens": free, "num_running": running}
+
+
+def test_placed_tokens_count_until_the_next_report():
+    """A burst decided between two reports must not all go one way: each placement adds its
+    tokens to that side's queue until the replicas report again (which includes them).
+    Seen failing with `placed` a no-op (both later loads equal the report's)."""
+    view = LoadView(None, None, period_s=1.0)
+    assert not view.known
+    view.update([report(100), report(50)], [report(0, free=4096)])
+    assert view.prefill_load().queued_tokens == 50 and view.prefill_load().num_replicas == 2
+    view.placed("remote", 600)
+    view.placed("local", 300)
+    assert view.prefill_load().queued_tokens == 650
+    assert view.decode_load().queued_prefill_tokens == 300
+    assert view.decode_load().headroom_tokens == 4096 - 300
+    view.update([report(700)], [report(300, free=4096)])
+    assert view.prefill_load().queued_tokens == 700
+
+
+def _driver(prefill_queue: int, decode_free: int = 100_000) -> RequestDriver:
+    calls: list[str] = []
+    view = LoadView(None, None, period_s=1.0)
+    view.update([report(prefill_queue)], [report(0, free=decode_free)])
+    return RequestDriver(
+        ReplicaMetrics("ingress", "test-placement"),
+        prefill=FakeHandle(calls, "prefill"), decode=FakeHandle(calls, "decode"),
+        hand_offs=FakeBox(), local_prefill_tokens=255, load_view=view,
+        placement_config=PlacementConfig(short_prompt_tokens=255),
+    )  # fmt: skip
+
+
+def _gen(n: int, hint: int | None = None) -> GenerateRequest:
+    return GenerateRequest("r-0", list(range(4, 4 + n)), SamplingParams(), None,
+                           RoutingInfo(n, hint=hint))  # fmt: skip
+
+
+def test_a_long_prompt_prefills_locally_while_the_prefill_replica_is_saturated():
+    """The issue's case: 600-token prompts queued behind one prefill replica while the decode
+    replica idles go local; with the prefill replica idle they go remote; a short prompt
+    goes local, a routing hint or a decode replica that cannot hold the prompt remote.
+    Seen failing (always remote for 600) with the driver's length rule alone."""
+    assert _driver(prefill_queue=20_000)._prefills_locally(_gen(600))
+    assert not _driver(prefill_queue=0)._prefills_locally(_gen(600))
+    assert _driver(prefill_queue=0)._prefills_locally(_gen(100))
+    assert not _driver(prefill_queue=20_000)._prefills_locally(_gen(600, hint=0))
+    assert not _driver(prefill_queue=20_000, decode_free=512)._prefills_locally(_gen(600))
+
+
+def test_a_limit_of_zero_sends_every_prompt_to_a_prefill_replica():
+    driver = _driver(prefill_queue=20_000)
+    driver.local_prefill_tokens = 0
+    assert not driver._prefills_locally(_gen(100)) and not driver._prefills_locally(_gen(600))
+
+
+def test_without_a_report_the_prompt_length_decides():
+    driver = _driver(prefill_queue=20_000)
+    driver.load_view = LoadView(None, None, period_s=1.0)  # nothing reported yet
+    assert driver._prefills_locally(_gen(255)) and not driver._prefills_locally(_gen(256))
