@@ -2,7 +2,7 @@
 each replica process sampled with py-spy (when the venv has it) while its CPU time is read.
 
     python bench/serve_profile.py [--mode colocated|disaggregated] [--levels 8,32]
-        [--no-py-spy] [-- <extra slimserve serve flags>]
+        [--prompt-len 64] [--no-py-spy] [-- <extra slimserve serve flags>]
 
 For each level: output tok/s, TTFT p50, CPU microseconds per output token of the Ingress and
 of each engine replica process (PrefillServer, DecodeServer or EngineServer; main process
@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import RESULTS, write_json  # noqa: E402
 from bench.peer import ROOT, machine_conditions, random_prompts  # noqa: E402
-from bench.serve_vs_vllm import GEN, PROMPT_LEN, Server, cold_and_warm  # noqa: E402
+from bench.serve_vs_vllm import GEN, Server, cold_and_warm  # noqa: E402
 from bench.sse_client import closed_loop  # noqa: E402
 
 PORT = 8814
@@ -89,7 +89,8 @@ def cpu_seconds(procs: dict) -> dict[str, float]:
 
 
 def run_level(server: Server, procs: dict, level: int, args, workdir: str) -> dict:
-    prompts = random_prompts(100 + level, max(16, 4 * level), args.vocab, PROMPT_LEN, PROMPT_LEN)
+    n, plen = max(16, 4 * level), args.prompt_len
+    prompts = random_prompts(100 + level, n, args.vocab, plen, plen)
     spies = start_spies(procs, workdir, level) if args.py_spy else {}
     before = cpu_seconds(procs)
     out = asyncio.run(closed_loop(server.url, server.model, prompts, level, GEN, 300.0))
@@ -114,6 +115,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--mode", default="colocated", choices=["colocated", "disaggregated"])
     ap.add_argument("--levels", default="8,32")
     ap.add_argument("--vocab", type=int, default=1000, help="prompt ids drawn below this")
+    ap.add_argument("--prompt-len", type=int, default=64, help="tokens per prompt")
     ap.add_argument("--no-py-spy", dest="py_spy", action="store_false")
     ap.add_argument("--tag", default=None, help="results file: serve_profile_<tag>.json")
     ap.add_argument("serve_flags", nargs="*", help="after --: more `slimserve serve` flags")

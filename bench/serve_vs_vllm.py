@@ -1,19 +1,23 @@
 """Served: slimserve's OpenAI API (`make serve` defaults: disaggregated; and colocated) vs
-vLLM's OpenAI server (the peer), side by side, with one client (bench/sse_client.py).
-`make serve`'s default prefills prompts under one KV chunk (these 64-token prompts) on the
-decode replica (conditional disaggregation); mode `disaggregated-always` sends every prompt
-through the prefill replica (`--local-prefill-max-tokens 0`), measuring the hand-off path.
+vLLM's OpenAI server (the peer), side by side, with two clients: ours (bench/sse_client.py)
+and vLLM's own serving benchmark (bench/vllm_client.py, run from .venv-vllm).
 
-Workload: streaming /v1/completions, 64-token prompts of random ids (fresh per run), 64 new
-tokens, ignore_eos, temperature 0, closed loop at 1/8/32 concurrent streams. Each server
-runs as its own process tree on 127.0.0.1 (`slimserve serve` exactly as `make serve` starts
-it, plus `--mode colocated`; vLLM through `python -m vllm.entrypoints.openai.api_server`
-from .venv-vllm, built on demand). vLLM stays up for the whole run; each slimserve mode is
-started in turn, and at every level the two sides alternate (--runs each), waiting for both
-to go idle before each run. The first request after each server's start is timed apart
-(cold TTFT), then a few warm-up requests are sent.
+Workload: streaming /v1/completions, random prompts of each --prompt-lens length (fresh per
+run), 64 new tokens, ignore_eos, temperature 0, closed loop at 1/8/32 concurrent streams.
+Each server runs as its own process tree on 127.0.0.1 (`slimserve serve` exactly as `make
+serve` starts it, plus `--mode colocated`; vLLM through `python -m
+vllm.entrypoints.openai.api_server` from .venv-vllm, built on demand). vLLM stays up for the
+whole run; each slimserve mode is started in turn, and at every (length, level, client) the
+two sides alternate (--runs each), waiting for both to go idle before each run.
 
-    python bench/serve_vs_vllm.py [--model PATH] [--levels 1,8,32] [--runs 2] [--no-peer]
+Modes: `disaggregated` and `colocated` (the defaults of `make serve`);
+`disaggregated-always` sends every prompt through the prefill replica
+(`--local-prefill-max-tokens 0`); a `+socket` or `+serve` suffix sets both channels
+(`call_channel` / `delta_channel`) where the build has them, `+serve` with
+RAY_SERVE_THROUGHPUT_OPTIMIZED=1 (Serve's by-value gRPC transport between deployments).
+
+    python bench/serve_vs_vllm.py [--prompt-lens 128,512,1000] [--levels 1,8,32]
+        [--modes disaggregated,colocated] [--clients ours,vllm] [--runs 1] [--no-peer]
 
 Writes bench/results/serve_vs_vllm.json and serve_vs_vllm.png.
 """
@@ -44,7 +48,7 @@ from bench.peer import (  # noqa: E402
 from bench.sse_client import closed_loop, one_request  # noqa: E402
 
 PEER_PORT, OUR_PORT = 8811, 8812
-PROMPT_LEN, GEN = 64, 64
+GEN = 64
 PEER_KV_BYTES = 256 << 20
 
 
@@ -97,15 +101,33 @@ def start_peer(model: str) -> Server:
 def start_ours(model: str | None, mode: str, config: str | None = None) -> Server:
     """`make serve` (= `slimserve serve`, defaults) on another port, without gRPC;
     config: a deploy/*.yaml instead of the default (A/B of settings)."""
+    base, _, transport = mode.partition("+")
     cmd = [sys.executable, "-m", "app.cli", "serve", "--port", str(OUR_PORT), "--grpc-port", "0"]
     cmd += ["--model", model] if model else []
+    if transport:
+        config = transport_config(config, transport)
     cmd += ["--config", config] if config else []
-    if mode == "disaggregated-always":  # every prompt through a prefill replica
+    if base == "disaggregated-always":  # every prompt through a prefill replica
         cmd += ["--mode", "disaggregated", "--local-prefill-max-tokens", "0"]
     else:
-        cmd += ["--mode", mode]
+        cmd += ["--mode", base]
     env = {"PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    if transport == "serve":  # Serve's by-value gRPC handle calls, no user-code thread
+        env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] = "1"
     return Server(f"slimserve-{mode}", cmd, OUR_PORT, env)
+
+
+def transport_config(config: str | None, transport: str) -> str:
+    """A copy of `config` (default deploy/local.yaml) with both channels set to `transport`."""
+    import yaml
+
+    with open(config or os.path.join(ROOT, "deploy", "local.yaml")) as f:
+        cfg = yaml.safe_load(f)
+    cfg["applications"][0]["args"] |= {"call_channel": transport, "delta_channel": transport}
+    fd, path = tempfile.mkstemp(suffix=".yaml", prefix=f"serve_vs_vllm_{transport}_")
+    with os.fdopen(fd, "w") as f:
+        yaml.safe_dump(cfg, f)
+    return path
 
 
 def cold_and_warm(server: Server, vocab: int, seed: int, warmups: int = 4) -> dict:
@@ -114,22 +136,58 @@ def cold_and_warm(server: Server, vocab: int, seed: int, warmups: int = 4) -> di
 
     async def go() -> list[dict]:
         async with aiohttp.ClientSession() as s:
-            prompts = random_prompts(seed, warmups + 1, vocab, PROMPT_LEN, PROMPT_LEN)
+            prompts = random_prompts(seed, warmups + 1, vocab, 64, 64)
             return [await one_request(s, server.url, server.model, p, GEN) for p in prompts]
 
     rs = asyncio.run(go())
     return {"first_ttft_s": rs[0].get("ttft"), "warm_ttft_s": [r.get("ttft") for r in rs[1:]]}
 
 
-def run_level(server: Server, trees, c: int, vocab: int, seed: int, args) -> dict:
+def ours_client(server: Server, plen: int, c: int, n: int, seed: int, args) -> dict:
+    prompts = random_prompts(seed, n, args.vocab, plen, plen)
+    return asyncio.run(closed_loop(server.url, server.model, prompts, c, GEN, args.limit_s))
+
+
+def vllm_client(server: Server, plen: int, c: int, n: int, seed: int, args) -> dict:
+    """vLLM's own benchmark (bench/vllm_client.py) in the peer venv; its numbers in our
+    units (seconds, tok/s)."""
+    cmd = [ensure_peer_venv(), os.path.join(ROOT, "bench", "vllm_client.py")]
+    cmd += ["--base-url", server.url, "--model", server.model, "--tokenizer", args.model_path]
+    cmd += ["--input-len", str(plen), "--output-len", str(GEN), "--num-prompts", str(n)]
+    cmd += ["--concurrency", str(c), "--seed", str(seed)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.limit_s + 120)
+    line = next((x for x in done.stdout.splitlines() if x.startswith("VLLM_CLIENT_RESULT ")), None)
+    if line is None:
+        raise RuntimeError(f"vLLM client failed on {server.name}: {done.stderr[-2000:]}")
+    r = json.loads(line.split(" ", 1)[1])
+    ms = lambda k: r[k] / 1e3 if r.get(k) is not None else None  # noqa: E731
+    return {
+        "concurrency": c,
+        "requests": (r["completed"] or 0) + (r["failed"] or 0),
+        "errors": r["failed"] or 0,
+        "wall_s": r["wall_s"],
+        "output_tokens": r["output_tokens"],
+        "output_tok_s": r["output_tok_s"],
+        "ttft_p50_s": ms("ttft_p50_ms"),
+        "ttft_p99_s": ms("ttft_p99_ms"),
+        "itl_p50_s": ms("itl_p50_ms"),
+        "tpot_p50_s": ms("tpot_p50_ms"),
+    }
+
+
+CLIENTS = {"ours": ours_client, "vllm": vllm_client}
+
+
+def run_level(server: Server, trees, cell: tuple[str, int, int], seed: int, args) -> dict:
+    client, plen, c = cell
     n = max(args.min_requests, args.requests_per_stream * c)
-    prompts = random_prompts(seed, n, vocab, PROMPT_LEN, PROMPT_LEN)
     waited = settle(trees, idle_cores=args.idle_cores, limit_s=10)
     with CpuWindow(trees) as cpu:
-        out = asyncio.run(closed_loop(server.url, server.model, prompts, c, GEN, args.limit_s))
+        out = CLIENTS[client](server, plen, c, n, seed, args)
     out["cores"] = [round(x, 2) for x in cpu.cores]
     out["settle_s"] = round(waited, 2)
-    print(f"  {server.name} c={c}: " + json.dumps({k: out[k] for k in list(out)[:12]}))
+    keys = ("output_tok_s", "ttft_p50_s", "itl_p50_s", "errors")
+    print(f"  {server.name} {client} len={plen} c={c}: " + json.dumps({k: out[k] for k in keys}))
     return out
 
 
@@ -139,14 +197,21 @@ def compare_mode(peer: Server | None, mode: str, args, results: dict, seed: int)
         sides = [s for s in (peer, ours) if s is not None]
         trees = [(s.pid, True) for s in sides]
         results["cold"][ours.name] = cold_and_warm(ours, args.vocab, seed)
-        for c in args.levels:
-            for r in range(args.runs):
-                order = sides if r % 2 == 0 else sides[::-1]
-                for side in order:
-                    row = run_level(side, trees, c, args.vocab, seed + 10 * c + r, args)
-                    row["cpu_trees"] = [s.name for s in sides]
-                    results["levels"].setdefault(side.name, {}).setdefault(str(c), [])
-                    results["levels"][side.name][str(c)].append(row)
+        for plen in args.prompt_lens:
+            for c in args.levels:
+                for client in args.clients:
+                    for r in range(args.runs):
+                        order = sides if r % 2 == 0 else sides[::-1]
+                        for side in order:
+                            cell_seed = seed + 1000 * plen + 10 * c + r
+                            row = run_level(side, trees, (client, plen, c), cell_seed, args)
+                            row["cpu_trees"] = [s.name for s in sides]
+                            # the peer's runs are kept per mode: each mode's ratios use
+                            # the vLLM runs that alternated with it
+                            name = ours.name if side is ours else f"vllm|{mode}"
+                            cell = results["levels"].setdefault(name, {})
+                            cell = cell.setdefault(client, {}).setdefault(str(plen), {})
+                            cell.setdefault(str(c), []).append(row)
     finally:
         ours.stop()
 
@@ -154,24 +219,30 @@ def compare_mode(peer: Server | None, mode: str, args, results: dict, seed: int)
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default=None, help="default: the embedded default model")
+    ap.add_argument("--prompt-lens", default="128,512,1000")
     ap.add_argument("--levels", default="1,8,32")
-    ap.add_argument("--runs", type=int, default=2, help="runs per server and level")
-    ap.add_argument("--modes", default="disaggregated,disaggregated-always,colocated")
+    ap.add_argument("--runs", type=int, default=1, help="runs per server, cell and client")
+    ap.add_argument("--modes", default="disaggregated,colocated")
+    ap.add_argument("--clients", default="ours,vllm")
     ap.add_argument("--requests-per-stream", type=int, default=4)
     ap.add_argument("--min-requests", type=int, default=16)
     ap.add_argument("--limit-s", type=float, default=300.0, help="bound on one level's run")
     ap.add_argument("--idle-cores", type=float, default=0.3, help="'idle' for settle()")
     ap.add_argument("--no-peer", action="store_true", help="slimserve only (smoke test)")
     ap.add_argument("--config", default=None, help="slimserve's deploy/*.yaml (default: built in)")
+    ap.add_argument("--name", default="serve_vs_vllm", help="the result files' stem")
     ap.add_argument("--out", default=RESULTS)
     args = ap.parse_args(argv)
     from app.config import ModelConfig
 
     args.levels = [int(x) for x in args.levels.split(",")]
-    model_path = args.model or default_model()
-    args.vocab = ModelConfig.from_path(model_path).vocab_size
+    args.prompt_lens = [int(x) for x in args.prompt_lens.split(",")]
+    args.clients = args.clients.split(",")
+    assert set(args.clients) <= set(CLIENTS), args.clients
+    args.model_path = args.model or default_model()
+    args.vocab = ModelConfig.from_path(args.model_path).vocab_size
     results: dict = {"cold": {}, "levels": {}, "conditions_before": machine_conditions()}
-    peer = None if args.no_peer else start_peer(model_path)
+    peer = None if args.no_peer else start_peer(args.model_path)
     try:
         if peer is not None:
             results["cold"]["vllm"] = cold_and_warm(peer, args.vocab, 7)
@@ -181,66 +252,93 @@ def main(argv=None) -> dict:
         if peer is not None:
             peer.stop()
     results["conditions_after"] = machine_conditions()
-    return publish(results, model_path, args)
+    return publish(results, args)
 
 
-def best(rows: list[dict], key: str) -> float:
-    """The median over a level's runs (two runs: their mean)."""
-    values = sorted(r[key] for r in rows)
+METRICS = ("output_tok_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s")
+
+
+def best(rows: list[dict], key: str) -> float | None:
+    """The median over a cell's runs (two runs: their mean)."""
+    values = sorted(r[key] for r in rows if r.get(key) is not None)
+    if not values:
+        return None
     mid = len(values) // 2
     return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
 
 
-def publish(results: dict, model_path: str, args) -> dict:
-    table = {
-        name: {
-            c: {k: best(rows, k) for k in ("output_tok_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s")}
-            for c, rows in levels.items()
+def summary(levels: dict) -> dict:
+    """side -> client -> prompt length -> level -> {metric: median over runs}."""
+    return {
+        side: {
+            client: {
+                plen: {c: {k: best(rows, k) for k in METRICS} for c, rows in by_c.items()}
+                for plen, by_c in by_len.items()
+            }
+            for client, by_len in by_client.items()
         }
-        for name, levels in results["levels"].items()
+        for side, by_client in levels.items()
     }
+
+
+def publish(results: dict, args) -> dict:
     result = {
-        "model": model_path,
-        "workload": f"{PROMPT_LEN}-token random prompts, {GEN} new tokens, ignore_eos, "
-        "temperature 0, streaming /v1/completions, closed loop",
+        "model": args.model_path,
+        "workload": f"random prompts of {args.prompt_lens} tokens, {GEN} new tokens, "
+        "ignore_eos, temperature 0, streaming /v1/completions, closed loop",
+        "clients": args.clients,
         "peer_kv_cache_memory_bytes": PEER_KV_BYTES,
         "runs": args.runs,
-        "summary": table,
+        "summary": summary(results["levels"]),
         **results,
     }
-    write_json("serve_vs_vllm", result, out_dir=args.out)
-    series = {name: {c: v["output_tok_s"] for c, v in t.items()} for name, t in table.items()}
+    write_json(args.name, result, out_dir=args.out)
+    series = {
+        f"{side} {plen}": {c: v["output_tok_s"] for c, v in by_c.items()}
+        for side, by_client in result["summary"].items()
+        for plen, by_c in by_client.get(args.clients[0], {}).items()
+    }
     bar_plot(
-        "serve_vs_vllm", "Served output tok/s by concurrency", series, "tokens/s", out_dir=args.out
-    )
+        args.name, f"Served output tok/s ({args.clients[0]} client)", series, "tokens/s",
+        out_dir=args.out,
+    )  # fmt: skip
     print(markdown(result))
     return result
 
 
+def ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}x" if a and b else "-"
+
+
 def markdown(result: dict) -> str:
-    """The docs/performance.md table of a result: per level, each server's median run."""
+    """docs/performance.md's table: per (mode, client, length), slimserve vs vLLM at each level:
+    tok/s ratio, TTFT p50 ratio, ITL p50 (ms) of both."""
     t = result["summary"]
-    ours = ("disaggregated", "disaggregated-always", "colocated")
-    names = [n for n in [f"slimserve-{m}" for m in ours] + ["vllm"] if n in t]
-    head = " | ".join(f"{n} tok/s, TTFT p50 / p99, ITL p50 (ms)" for n in names)
-    lines = [f"| streams | {head} |", "|---:|" + "---:|" * len(names)]
-    for c in t[names[0]]:
-        cells = []
-        for n in names:
-            v = t[n][c]
-            cells.append(
-                f"{v['output_tok_s']:,.0f}, {v['ttft_p50_s'] * 1e3:.0f} / "
-                f"{v['ttft_p99_s'] * 1e3:.0f}, {v['itl_p50_s'] * 1e3:.1f}"
-            )
-        lines.append(f"| {c} | " + " | ".join(cells) + " |")
-    cold = result.get("cold", {})
-    for n, v in cold.items():
-        warm = [x for x in v["warm_ttft_s"] if x is not None]
-        lines.append(
-            f"\n{n}: first request after start TTFT {v['first_ttft_s'] * 1e3:.0f} ms, "
-            f"then {', '.join(f'{x * 1e3:.0f}' for x in warm)} ms"
-        )
+    lines = [
+        "| mode | client | prompt | tok/s vs vLLM | TTFT p50 vs vLLM | ITL p50 ms, ours vs vLLM |",
+        "|---|---|---:|---|---|---|",
+    ]
+    for side in (s for s in t if not s.startswith("vllm|")):
+        mode = side.removeprefix("slimserve-")
+        peer = t.get(f"vllm|{mode}", {})
+        for client, by_len in t[side].items():
+            for plen, by_c in by_len.items():
+                theirs = peer.get(client, {}).get(plen, {})
+                cells = [[], [], []]
+                for c, v in by_c.items():
+                    p = theirs.get(c, {})
+                    cells[0].append(ratio(v["output_tok_s"], p.get("output_tok_s")))
+                    cells[1].append(ratio(v["ttft_p50_s"], p.get("ttft_p50_s")))
+                    cells[2].append(f"{ms(v['itl_p50_s'])} vs {ms(p.get('itl_p50_s'))}")
+                row = " | ".join(" / ".join(x) for x in cells[:2]) + " | " + "; ".join(cells[2])
+                lines.append(f"| {mode} | {client} | {plen} | {row} |")
+    levels = next(iter(next(iter(t.values())).values()), {})
+    lines.append(f"\nlevels (concurrent streams): {' / '.join(next(iter(levels.values()), {}))}")
     return "\n".join(lines)
+
+
+def ms(x: float | None) -> str:
+    return f"{x * 1e3:.1f}" if x is not None else "-"
 
 
 if __name__ == "__main__":

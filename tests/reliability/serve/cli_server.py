@@ -45,6 +45,8 @@ class CliServer:
     channel: grpc.Channel
     stub: generation_pb2_grpc.GenerationStub
     log_path: str
+    pid: int = 0  # the `slimserve serve` process (its tree is the application's)
+    grpc_port: int = 0
 
     def engine_stats(self) -> pb.HealthResponse:
         """The engine replica's counters, asked through the proxy under test (gRPC Health)."""
@@ -96,6 +98,8 @@ def cli_server(args: dict, proxy: str) -> Iterator[CliServer]:
         channel,
         generation_pb2_grpc.GenerationStub(channel),
         log_path,
+        proc.pid,
+        grpc_port,
     )
     try:
         _wait_ready(proc, server)
