@@ -12,9 +12,8 @@ two sides alternate (--runs each), waiting for both to go idle before each run.
 
 Modes: `disaggregated` and `colocated` (the defaults of `make serve`);
 `disaggregated-always` sends every prompt through the prefill replica
-(`--local-prefill-max-tokens 0`); a `+socket` or `+serve` suffix sets both channels
-(`call_channel` / `delta_channel`) where the build has them, `+serve` with
-RAY_SERVE_THROUGHPUT_OPTIMIZED=1 (Serve's by-value gRPC transport between deployments).
+(`--local-prefill-max-tokens 0`); a `+socket` or `+serve` suffix sets `delta_channel`,
+`+serve` with RAY_SERVE_THROUGHPUT_OPTIMIZED=1 (Serve's by-value gRPC transport).
 
     python bench/serve_vs_vllm.py [--prompt-lens 128,512,1000] [--levels 1,8,32]
         [--modes disaggregated,colocated] [--clients ours,vllm] [--runs 1] [--no-peer]
@@ -118,12 +117,12 @@ def start_ours(model: str | None, mode: str, config: str | None = None) -> Serve
 
 
 def transport_config(config: str | None, transport: str) -> str:
-    """A copy of `config` (default deploy/local.yaml) with both channels set to `transport`."""
+    """A copy of `config` (default deploy/local.yaml) with its delta channel `transport`."""
     import yaml
 
     with open(config or os.path.join(ROOT, "deploy", "local.yaml")) as f:
         cfg = yaml.safe_load(f)
-    cfg["applications"][0]["args"] |= {"call_channel": transport, "delta_channel": transport}
+    cfg["applications"][0]["args"]["delta_channel"] = transport
     fd, path = tempfile.mkstemp(suffix=".yaml", prefix=f"serve_vs_vllm_{transport}_")
     with os.fdopen(fd, "w") as f:
         yaml.safe_dump(cfg, f)
