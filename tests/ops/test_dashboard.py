@@ -1,0 +1,208 @@
+"""The Ray dashboard a user opens after `make serve`, in a real (headless) Chromium.
+
+One `slimserve serve --metrics` (dashboard on by default; autoscaling on PrefillServer from
+the config file's `deployments:`) serves the module. The browser signs in through the
+dashboard's own token dialog with the token where the server's printed line says it is, then
+reads the Serve page as a user would: every slimserve deployment with its status and replica
+count (screenshot: bench/results/dashboard_serve.png), the KV store actors on the Actors page,
+and PrefillServer's count going 1 -> 2 under a burst of long prompts, with the policy's
+decision in the controller log. Prometheus (`--metrics`) then holds the series of slimserve's
+panels and its console page draws them.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import glob
+import json
+import os
+import re
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+from serve.apps import tiny_serve_args
+
+from ops.browser import chromium
+from ops.dashboard_server import dashboard_server
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+RESULTS = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "results")
+SCREENSHOT = os.path.join(RESULTS, "dashboard_serve.png")
+DEPLOYMENTS = ("Ingress", "PrefillServer", "DecodeServer")
+FAST_METRICS = {"RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5"}
+SCALE_OUT_S = 120.0
+
+# The Serve page's applications/deployments table, by its header: name -> {status, replicas}.
+SERVE_TABLE = """(() => {
+  const rows = [...document.querySelectorAll('table tr')]
+    .map(r => [...r.cells].map(c => c.innerText.trim()));
+  const head = rows.find(r => r.includes('Name') && r.includes('Replicas'));
+  if (!head) return null;
+  const [n, s, k] = ['Name', 'Status', 'Replicas'].map(h => head.indexOf(h));
+  const out = {};
+  for (const r of rows)
+    if (r !== head && r.length === head.length) out[r[n]] = {status: r[s], replicas: r[k]};
+  return out;
+})()"""
+
+
+def config(model: str) -> dict:
+    prefill = {
+        "name": "PrefillServer",
+        "ray_actor_options": {"num_cpus": 0, "runtime_env": {"env_vars": FAST_METRICS}},
+        "autoscaling_config": {
+            "min_replicas": 1,
+            "max_replicas": 2,
+            "look_back_period_s": 11,
+            "upscale_delay_s": 0,
+            "downscale_delay_s": 600,
+            "aggregation_function": "max",
+            "target_ongoing_requests": 100,  # the request-count fallback never scales here
+            "policy": {
+                "policy_function": "app.serve.autoscaling:PrefillTokenPolicy",
+                "policy_kwargs": {"target_tokens_per_replica": 64},
+            },
+        },
+    }
+    args = tiny_serve_args(model)
+    return {"applications": [{"args": args, "deployments": [prefill]}]}
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint_factory):
+    with dashboard_server(config(checkpoint_factory("llama"))) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def page(server):
+    """A browser signed in to the dashboard through its token dialog, on the Serve page."""
+    with chromium() as page:
+        page.goto(server.dashboard_url)
+        dialog = "document.body.innerText.includes('Authentication Token Required')"
+        page.wait_for(dialog, 60, "the dashboard's sign-in dialog")
+        _submit_token(page, "not-the-token")
+        page.wait_for(
+            "document.body.innerText.includes('Invalid authentication token')",
+            30,
+            "a wrong token refused",
+        )
+        _submit_token(page, server.token())
+        page.wait_for(f"!{dialog} && {SERVE_TABLE}", 60, "the Serve page after sign-in")
+        yield page
+
+
+def _submit_token(page, token: str) -> None:
+    page.eval("(e => { e.focus(); e.select(); })(document.querySelector('input[type=password]'))")
+    page.insert_text(token)  # replaces the selection, as a user's paste would
+    page.eval(
+        "[...document.querySelectorAll('button')]"
+        ".find(b => b.textContent.trim() === 'Submit').click()"
+    )
+
+
+def serve_table(page) -> dict:
+    return page.eval(SERVE_TABLE) or {}
+
+
+def wait_table(page, ok, timeout_s: float, what: str) -> dict:
+    end = time.monotonic() + timeout_s
+    while True:
+        table = serve_table(page)
+        if ok(table):
+            return table
+        assert time.monotonic() < end, f"{what}: Serve page shows {table}\n{page.text()}"
+        time.sleep(0.5)
+
+
+def test_serve_page_shows_every_deployment_with_its_replicas(server, page):
+    def ready(t):
+        apps = t.get("slimserve", {}).get("status") == "RUNNING"
+        return apps and all(t.get(d, {}).get("status") == "HEALTHY" for d in DEPLOYMENTS)
+
+    table = wait_table(page, ready, 60, "slimserve RUNNING, every deployment HEALTHY")
+    for name in DEPLOYMENTS:
+        assert table[name]["replicas"] == "1", f"{name}: {table[name]}"
+    os.makedirs(RESULTS, exist_ok=True)
+    page.screenshot(SCREENSHOT)
+    with open(SCREENSHOT, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+    page.goto(server.dashboard_root + "/#/actors")
+    for actor in ("slimserve-kvstore-0", "slimserve-kvstore-handoff"):
+        page.wait_for(f"document.body.innerText.includes({json.dumps(actor)})", 60, actor)
+    page.goto(server.dashboard_url)
+    page.wait_for(SERVE_TABLE, 30, "the Serve page again")
+
+
+def test_prefill_scale_out_shows_on_the_serve_page(server, page):
+    stop = threading.Event()
+
+    def burst(seed: int):
+        rng = np.random.default_rng(seed)
+        while not stop.is_set():
+            prompt = [int(t) for t in rng.integers(3, 300, 350)]
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0}
+            r = httpx.post(server.api_url + "/v1/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+
+    assert serve_table(page)["PrefillServer"]["replicas"] == "1"
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        clients = [pool.submit(burst, i) for i in range(4)]
+        try:
+            wait_table(
+                page,
+                lambda t: t.get("PrefillServer", {}).get("replicas") == "2" or _failed(clients),
+                SCALE_OUT_S,
+                "PrefillServer scaled to 2 replicas",
+            )
+        finally:
+            stop.set()
+        for c in clients:
+            c.result()  # a failed request fails the test
+    table = serve_table(page)
+    assert table["PrefillServer"]["replicas"] == "2", table
+    assert table["DecodeServer"]["replicas"] == "1", table
+
+    logs = glob.glob(os.path.join(server.ray_logs, "serve", "controller_*.log"))
+    text = "".join(_read(p) for p in logs)
+    line = r"slimserve autoscaling: PrefillServer \(slimserve\) wants (\d+) replicas.* by (\w+) "
+    decisions = re.findall(line + r"\[PrefillTokenPolicy\] .*prefill_tokens_demand=", text)
+    assert any(int(n) >= 2 and basis == "prefill_tokens" for n, basis in decisions), (
+        f"no scale-out decision by prompt tokens in the controller log {logs}: {decisions}"
+    )
+
+
+def _read(path: str) -> str:
+    with open(path, errors="replace") as f:
+        return f.read()
+
+
+def _failed(futures) -> bool:
+    return any(f.done() for f in futures)  # a client only ends early by failing
+
+
+def test_metrics_show_slimserve_series_in_prometheus(server, page):
+    assert page.eval("fetch('/api/prometheus_health').then(r => r.json())")["result"]
+    wanted = (
+        'ray_slimserve_time_to_first_token_seconds_bucket{role="ingress"}',
+        'ray_serve_deployment_replica_healthy{application="slimserve"}',
+        'ray_slimserve_autoscaling_desired_replicas{deployment="PrefillServer"}',
+    )
+    end = time.monotonic() + 60
+    for query in wanted:
+        while True:
+            got = httpx.get(server.prometheus_url + "/api/v1/query", params={"query": query})
+            if got.json()["data"]["result"]:
+                break
+            assert time.monotonic() < end, f"Prometheus has no {query}: {got.text}"
+            time.sleep(1)
+
+    page.goto(server.panels_url)  # Prometheus' console page of deploy/grafana's panels
+    page.wait_for("document.body.innerText.includes('Time to first token')", 30, "panels")
+    drawn = "document.querySelectorAll('.rickshaw_graph path').length"
+    assert page.wait_for(drawn, 30, "panel graphs drawn with data") > 0
