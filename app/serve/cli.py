@@ -189,6 +189,13 @@ def run(args: argparse.Namespace) -> int:
         dashboard_host=args.dashboard_host,
         dashboard_port=args.dashboard_port,
     )
+    # Printed before the app deploys: the dashboard shows it starting (model loading included).
+    if args.dashboard:
+        print(f"slimserve: Ray dashboard on http://{ctx.dashboard_url}/#/serve")
+        print(f"slimserve: dashboard {dashboard_sign_in()}")
+    logs = os.path.join(ctx.address_info["session_dir"], "logs")
+    print(f"slimserve: Ray logs in {logs} (autoscaling decisions: serve/controller_*.log)")
+    sys.stdout.flush()
     prometheus = None
     try:
         if args.metrics:
@@ -205,11 +212,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"slimserve: proxy {args.proxy}")
         if args.grpc_port:
             print(f"slimserve: gRPC API (slimserve.v1.Generation) on port {args.grpc_port}")
-        if args.dashboard:
-            print(f"slimserve: Ray dashboard on http://{ctx.dashboard_url}/#/serve")
-            print(f"slimserve: dashboard {dashboard_sign_in()}")
-        logs = os.path.join(ctx.address_info["session_dir"], "logs")
-        print(f"slimserve: Ray logs in {logs} (autoscaling decisions: serve/controller_*.log)")
         if prometheus is not None:
             print(f"slimserve: Prometheus on {prometheus.url} (scraping this Ray)")
             print(f"slimserve: slimserve panels on {prometheus.console_url}")

@@ -110,8 +110,13 @@ class Page:
         """Types ``text`` into the focused element, as a user (React sees the input events)."""
         self.send("Input.insertText", text=text)
 
-    def screenshot(self, path: str) -> None:
-        shot = self.send("Page.captureScreenshot", format="png", captureBeyondViewport=True)
+    def screenshot(self, path: str, height: int | None = None) -> None:
+        """A PNG of the page (its top ``height`` CSS pixels when given)."""
+        params: dict = {"format": "png", "captureBeyondViewport": True}
+        if height is not None:
+            width = self.eval("document.documentElement.scrollWidth")
+            params["clip"] = {"x": 0, "y": 0, "width": width, "height": height, "scale": 1}
+        shot = self.send("Page.captureScreenshot", **params)
         with open(path, "wb") as f:
             f.write(base64.b64decode(shot["data"]))
 

@@ -32,6 +32,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 RESULTS = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "results")
 SCREENSHOT = os.path.join(RESULTS, "dashboard_serve.png")
+SCALED_SCREENSHOT = os.path.join(RESULTS, "dashboard_serve_scaled.png")
 DEPLOYMENTS = ("Ingress", "PrefillServer", "DecodeServer")
 FAST_METRICS = {"RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5"}
 SCALE_OUT_S = 120.0
@@ -105,8 +106,28 @@ def _submit_token(page, token: str) -> None:
     )
 
 
+# Clicks the deployment's "View config" on the Serve page (a dialog with its config).
+VIEW_CONFIG = """(name => {
+  const row = [...document.querySelectorAll('table tr')]
+    .find(r => [...r.cells].some(c => c.innerText.trim() === name));
+  [...row.querySelectorAll('a, button')]
+    .find(e => e.textContent.trim() === 'View config').click();
+  return true;
+})"""
+DIALOG_TEXT = "(document.querySelector('[role=dialog]') || {innerText: ''}).innerText"
+
+
 def serve_table(page) -> dict:
     return page.eval(SERVE_TABLE) or {}
+
+
+def screenshot(page, path: str) -> None:
+    """The Serve page down to its deployments table (the docs' picture)."""
+    os.makedirs(RESULTS, exist_ok=True)
+    bottom = page.eval("document.querySelector('table').getBoundingClientRect().bottom")
+    page.screenshot(path, height=int(bottom) + 24)
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
 def wait_table(page, ok, timeout_s: float, what: str) -> dict:
@@ -127,10 +148,14 @@ def test_serve_page_shows_every_deployment_with_its_replicas(server, page):
     table = wait_table(page, ready, 60, "slimserve RUNNING, every deployment HEALTHY")
     for name in DEPLOYMENTS:
         assert table[name]["replicas"] == "1", f"{name}: {table[name]}"
-    os.makedirs(RESULTS, exist_ok=True)
-    page.screenshot(SCREENSHOT)
-    with open(SCREENSHOT, "rb") as f:
-        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    screenshot(page, SCREENSHOT)
+
+    # PrefillServer's autoscaling bounds and policy, behind its "View config".
+    page.eval(f"{VIEW_CONFIG}('PrefillServer')")
+    config = page.wait_for(f"{DIALOG_TEXT}.includes('max_replicas') && {DIALOG_TEXT}", 30, "config")
+    for key, value in (("min_replicas", 1), ("max_replicas", 2)):
+        assert re.search(rf"{key}\W+{value}\b", config), config
+    assert "app.serve.autoscaling:PrefillTokenPolicy" in config, config
 
     page.goto(server.dashboard_root + "/#/actors")
     for actor in ("slimserve-kvstore-0", "slimserve-kvstore-handoff"):
@@ -167,6 +192,7 @@ def test_prefill_scale_out_shows_on_the_serve_page(server, page):
     table = serve_table(page)
     assert table["PrefillServer"]["replicas"] == "2", table
     assert table["DecodeServer"]["replicas"] == "1", table
+    screenshot(page, SCALED_SCREENSHOT)
 
     logs = glob.glob(os.path.join(server.ray_logs, "serve", "controller_*.log"))
     text = "".join(_read(p) for p in logs)
