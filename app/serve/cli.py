@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -62,7 +63,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--no-dashboard: none (docs/operations.md)",
     )
     p.add_argument("--dashboard-host", default="127.0.0.1")
-    p.add_argument("--dashboard-port", type=int, default=DASHBOARD_PORT)
+    p.add_argument(
+        "--dashboard-port",
+        type=int,
+        help=f"default: {DASHBOARD_PORT}, or a free port if another Ray holds that one",
+    )
     p.add_argument(
         "--metrics",
         action="store_true",
@@ -168,6 +173,20 @@ def dashboard_sign_in() -> str:
     )
 
 
+def dashboard_port(args: argparse.Namespace) -> int:
+    """The port asked for; by default 8265, or a free one when 8265 is taken (as by another
+    `slimserve serve` on the machine): the printed URL says which."""
+    if args.dashboard_port is not None:
+        return args.dashboard_port
+    with socket.socket() as s:
+        try:
+            s.bind((args.dashboard_host, DASHBOARD_PORT))
+            return DASHBOARD_PORT
+        except OSError:
+            s.bind((args.dashboard_host, 0))
+            return s.getsockname()[1]
+
+
 def run(args: argparse.Namespace) -> int:
     use_proxy(args.proxy)
     import ray
@@ -187,7 +206,7 @@ def run(args: argparse.Namespace) -> int:
         num_cpus=args.num_cpus,
         include_dashboard=args.dashboard,
         dashboard_host=args.dashboard_host,
-        dashboard_port=args.dashboard_port,
+        dashboard_port=dashboard_port(args) if args.dashboard else None,
     )
     # Printed before the app deploys: the dashboard shows it starting (model loading included).
     if args.dashboard:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import socket
+
 import yaml
 
 from app.cli import build_parser
-from app.serve.cli import DASHBOARD_PORT, application, dashboard_sign_in
+from app.serve.cli import DASHBOARD_PORT, application, dashboard_port, dashboard_sign_in
 
 
 def parse(*argv: str):
@@ -16,8 +18,17 @@ def parse(*argv: str):
 def test_dashboard_is_on_by_default_on_loopback():
     args = parse()
     assert args.dashboard and args.dashboard_host == "127.0.0.1"
-    assert args.dashboard_port == DASHBOARD_PORT == 8265
     assert not args.metrics
+    with socket.socket() as holder:  # 8265 free: that one; taken: a free one, never a clash
+        try:
+            holder.bind(("127.0.0.1", DASHBOARD_PORT))
+        except OSError:
+            pass  # someone else's dashboard holds it
+        else:
+            holder.listen()
+        port = dashboard_port(args)
+        assert port != DASHBOARD_PORT and port > 0
+    assert DASHBOARD_PORT == 8265
     off = parse("--no-dashboard", "--dashboard-port", "9999", "--metrics")
     assert not off.dashboard and off.dashboard_port == 9999 and off.metrics
 
