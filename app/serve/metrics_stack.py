@@ -33,8 +33,11 @@ PROMETHEUS_HOST_ENV = "RAY_PROMETHEUS_HOST"  # read by the dashboard's metrics m
 GRAFANA_JSON = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "slimserve.json"
 CONSOLE = "slimserve.html"
 SCRAPE_INTERVAL_S = 5
+RANGE_S = 900  # the panels' default time range
 RATE_INTERVAL = "1m"  # Grafana's $__rate_interval, at least 4 scrape intervals
 READY_S = 30.0
+# Grafana's unit names that read as a unit on an axis ("short", "percentunit" are formats).
+GRAFANA_UNITS = {"s": "s", "Bps": "B/s", "bytes": "B"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +67,8 @@ def grafana_panels(path: Path = GRAFANA_JSON) -> list[Panel]:
         legends = [
             t.get("legendFormat", "").replace("{{", "[[").replace("}}", "]]") for t in targets
         ]
-        unit = p.get("fieldConfig", {}).get("defaults", {}).get("unit", "")
+        unit = p.get("fieldConfig", {}).get("defaults", {}).get("unit") or ""
+        unit = GRAFANA_UNITS.get(unit, "")
         out.append(
             Panel(p["title"], tuple(promql(t["expr"]) for t in targets), tuple(legends), unit)
         )
@@ -92,13 +96,18 @@ def console_page(panels: list[Panel], title: str) -> str:
         head.append(f"<script src='{static}/{js}'></script>")
     for js in ("rickshaw/rickshaw.min.js", "jquery/jquery.min.js", "js/prom_console.js"):
         head.append(f"<script src='{static}/{js}'></script>")
-    body = ["<script>var PATH_PREFIX = '';</script></head><body><div class='container-fluid'>"]
+    # The time range: the URL's #pctc{"duration":<s>,...} (Prometheus' own), else RANGE_S.
+    body = [
+        f"<script>var PATH_PREFIX = ''; if (location.hash.indexOf('#pctc') !== 0) "
+        f"PromConsole.graphDefaults.duration = {RANGE_S};</script>",
+        "</head><body><div class='container-fluid'>",
+    ]
     body.append(f"<h1>{html.escape(title)}</h1><p>From deploy/grafana/slimserve.json.</p>")
     for i, p in enumerate(panels):
         if p.row:
             body.append(f"<h2>{html.escape(p.title)}</h2>")
             continue
-        params = {"expr": list(p.exprs), "name": list(p.legends), "duration": 1800}
+        params = {"expr": list(p.exprs), "name": list(p.legends)}
         if p.unit:
             params["yUnits"] = p.unit
         body.append(f"<h4>{html.escape(p.title)}</h4><div id='panel{i}'></div>")

@@ -6,25 +6,29 @@ dashboard's own token dialog with the token where the server's printed line says
 reads the Serve page as a user would: every slimserve deployment with its status and replica
 count (screenshot: bench/results/dashboard_serve.png), the KV store actors on the Actors page,
 and PrefillServer's count going 1 -> 2 under a burst of long prompts, with the policy's
-decision in the controller log. Prometheus (`--metrics`) then holds the series of slimserve's
-panels and its console page draws them.
+decision in the controller log. Prometheus (`--metrics`) then answers the Grafana JSON's own
+panel queries with data and its console page draws them (bench/results/dashboard_panels.png).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import glob
 import json
+import math
 import os
 import re
 import threading
 import time
+from urllib.parse import quote
 
 import httpx
 import numpy as np
 import pytest
 from serve.apps import tiny_serve_args
 
+from app.serve.metrics_stack import grafana_panels
 from ops.browser import chromium
 from ops.dashboard_server import dashboard_server
 
@@ -33,6 +37,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 RESULTS = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "results")
 SCREENSHOT = os.path.join(RESULTS, "dashboard_serve.png")
 SCALED_SCREENSHOT = os.path.join(RESULTS, "dashboard_serve_scaled.png")
+PANELS_SCREENSHOT = os.path.join(RESULTS, "dashboard_panels.png")
 DEPLOYMENTS = ("Ingress", "PrefillServer", "DecodeServer")
 FAST_METRICS = {"RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5"}
 SCALE_OUT_S = 120.0
@@ -212,23 +217,53 @@ def _failed(futures) -> bool:
     return any(f.done() for f in futures)  # a client only ends early by failing
 
 
-def test_metrics_show_slimserve_series_in_prometheus(server, page):
+def test_metrics_show_slimserve_panels_with_data(server, page):
+    """The dashboard sees Prometheus; Prometheus answers the Grafana JSON's own TTFT panel
+    query (rates: requests keep coming meanwhile) and holds the replicas and policy series;
+    the panels page draws that panel."""
     assert page.eval("fetch('/api/prometheus_health').then(r => r.json())")["result"]
-    wanted = (
-        'ray_slimserve_time_to_first_token_seconds_bucket{role="ingress"}',
+    ttft = next(p for p in grafana_panels() if p.title == "Time to first token")
+    queries = (
+        ttft.exprs[1],  # p95 by role, as the panel asks it
         'ray_serve_deployment_replica_healthy{application="slimserve"}',
         'ray_slimserve_autoscaling_desired_replicas{deployment="PrefillServer"}',
     )
-    end = time.monotonic() + 60
-    for query in wanted:
-        while True:
-            got = httpx.get(server.prometheus_url + "/api/v1/query", params={"query": query})
-            if got.json()["data"]["result"]:
-                break
-            assert time.monotonic() < end, f"Prometheus has no {query}: {got.text}"
-            time.sleep(1)
+    with trickle(server):
+        end = time.monotonic() + 90
+        for query in queries:
+            while not _has_value(server, query):
+                assert time.monotonic() < end, f"Prometheus has no value for {query}"
+                time.sleep(1)
 
-    page.goto(server.panels_url)  # Prometheus' console page of deploy/grafana's panels
-    page.wait_for("document.body.innerText.includes('Time to first token')", 30, "panels")
-    drawn = "document.querySelectorAll('.rickshaw_graph path').length"
-    assert page.wait_for(drawn, 30, "panel graphs drawn with data") > 0
+    # Prometheus' console page of deploy/grafana's panels, over the last 2 minutes.
+    page.goto(server.panels_url + "#pctc" + quote(json.dumps({"duration": 120, "endTime": 0})))
+    drawn = """[...document.querySelectorAll('h4')]
+      .find(h => h.innerText === 'Time to first token')
+      .nextElementSibling.querySelectorAll('.rickshaw_graph path').length"""
+    assert page.wait_for(drawn, 30, "the TTFT panel drawn with data") > 0
+    page.screenshot(PANELS_SCREENSHOT, height=1600)
+
+
+def _has_value(server, query: str) -> bool:
+    got = httpx.get(server.prometheus_url + "/api/v1/query", params={"query": query}).json()
+    return any(math.isfinite(float(r["value"][1])) for r in got["data"]["result"])
+
+
+@contextlib.contextmanager
+def trickle(server):
+    """Short requests, one at a time, until the block ends."""
+    stop = threading.Event()
+
+    def send():
+        body = {"model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": 4, "temperature": 0}
+        while not stop.is_set():
+            r = httpx.post(server.api_url + "/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        sender = pool.submit(send)
+        try:
+            yield
+        finally:
+            stop.set()
+        sender.result()
