@@ -22,6 +22,14 @@ lint: $(STAMP)
 test: lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=20 -m "not long"
 
+# Headless Chromium and Prometheus, Debian's packages, for tests/ops/test_dashboard.py (the
+# Ray dashboard in a browser) and `slimserve serve --metrics`; installed (as root) if missing.
+.PHONY: test-deps
+test: test-deps
+test-deps:
+	@command -v chromium >/dev/null && command -v prometheus >/dev/null || \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium prometheus; }
+
 # The full fuzz, soak and load runs (docs/reliability.md); not part of CI.
 test-long: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=20 -m long

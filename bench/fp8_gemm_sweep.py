@@ -1,14 +1,14 @@
-"""Tiles, pipeline stages, warps and split-K of the W8A8 FP8 block GEMM swept on a GPU at
-prefill sizes, each config checked against the PyTorch reference: the data that
-`fp8_w8a8_triton.choose_config`'s table for M > 64 is set from (its first table was written
-without a GPU; an H100 run of bench/kernels.py timed it at 0.4-0.8x cuBLAS BF16 from 1,024
-tokens, where FP8 tensor cores should beat BF16).
+"""Tiles, pipeline stages, warps and split-K of the W8A8 FP8 block GEMM swept on a GPU from
+decode to prefill sizes, each config checked against the PyTorch reference, and the fastest
+correct one per (M bucket, N, K) written as the GPU's tuned table
+(`slimserve_kernels/configs/fp8_w8a8/<GPU>.json`, read by `fp8_w8a8_triton.choose_config`).
 
-    python bench/fp8_gemm_sweep.py [--out DIR]     # needs CUDA; ~2-3 minutes
-    python bench/fp8_gemm_sweep.py --smoke --out /tmp/s   # plumbing only, interpreted
+    python bench/fp8_gemm_sweep.py [--out DIR] [--table-dir DIR]   # needs CUDA; ~2-3 minutes
+    python bench/fp8_gemm_sweep.py --smoke --out /tmp/s --table-dir /tmp/t  # interpreted
 
-Writes fp8_gemm_sweep.json: per (M, K, N) every config's ms and relative error, cuBLAS BF16's
-ms, the current table's config and the fastest correct one.
+Timing: triton's do_bench (L2 flushed before every call). Writes fp8_gemm_sweep.json: per
+(M, K, N) every config's ms and relative error, cuBLAS BF16's ms, the rule's config and the
+fastest correct one.
 """
 
 from __future__ import annotations
@@ -22,25 +22,34 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-# (K, N): Llama-3-8B gate_up / o / down, Kimi K2 kv_a (narrow N) and q_b (short K)
-SHAPES = [(4096, 28672), (4096, 4096), (14336, 4096), (7168, 576), (1536, 12288)]
-MS = [256, 1024, 4096]
-TILES = [(64, 128), (128, 64), (128, 128), (128, 256)]  # (BLOCK_M, BLOCK_N)
-WARPS, STAGES = [4, 8], [2, 3, 4]
-SMOKE = dict(shapes=[(256, 96)], ms=[40], tiles=[(16, 32), (64, 64)], warps=[4], stages=[3])
+# (K, N): Llama-3-8B gate_up / down, GLM-4.5 q (5120 -> 96 x 128), Kimi K2 kv_a (narrow N)
+# and q_b (short K)
+SHAPES = [(4096, 28672), (14336, 4096), (5120, 12288), (7168, 576), (1536, 12288)]
+MS = [1, 16, 64, 256, 1024, 4096]
+SMALL_TILES = [(16, 64), (16, 128), (32, 128), (64, 64)]  # (BLOCK_M, BLOCK_N) for M <= 64
+TILES = [(64, 128), (128, 64), (128, 128), (128, 256)]
+SMALL_WARPS, WARPS, STAGES = [4], [4, 8], [3, 4]
+SMOKE = dict(shapes=[(256, 96)], ms=[40], small_tiles=[(16, 32), (64, 64)], tiles=[],
+             small_warps=[4], warps=[4], stages=[3])  # fmt: skip
+FULL = dict(shapes=SHAPES, ms=MS, small_tiles=SMALL_TILES, tiles=TILES, small_warps=SMALL_WARPS,
+            warps=WARPS, stages=STAGES)  # fmt: skip
 
 
 def configs(m: int, n: int, k: int, sms: int, grid: dict):
-    """Every tile x warps x stages, each with no split-K and with the table's split-K rule."""
+    """Every tile x warps x stages for this M, each with no split-K, the rule's split-K and
+    twice it (small M: too few tiles to fill the SMs)."""
     import triton
 
     from slimserve_kernels.gemm_common import split_k
 
-    for (bm, bn), warps, stages in itertools.product(grid["tiles"], grid["warps"], grid["stages"]):
-        tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-        for split in sorted({1, split_k(tiles, triton.cdiv(k, 128), sms)}):
-            yield dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, num_warps=warps, num_stages=stages,
-                       split_k=split)  # fmt: skip
+    small = m <= 64
+    tiles = grid["small_tiles"] if small else grid["tiles"]
+    warps = grid["small_warps"] if small else grid["warps"]
+    for (bm, bn), w, stages in itertools.product(tiles, warps, grid["stages"]):
+        rule = split_k(triton.cdiv(m, bm) * triton.cdiv(n, bn), triton.cdiv(k, 128), sms)
+        for split in sorted({1, rule, min(16, 2 * rule)} if small else {1, rule}):
+            yield dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, GROUP_M=8, num_warps=w,
+                       num_stages=stages, split_k=split)  # fmt: skip
 
 
 def timer(device):
@@ -87,7 +96,7 @@ def sweep_point(m: int, k: int, n: int, gen, device: str, grid: dict) -> dict:
     dense_w = torch.randn(n, k, generator=gen).to(torch.bfloat16).to(device)
     xd = x.to(device)
     dense_ms = bench(lambda: xd @ dense_w.T)
-    current = {"num_stages": 3, **choose_config(m, n, k, 128, sms)}  # the launch default
+    current = {"num_stages": 3, **choose_config(m, n, k, 128, sms)}  # the rule, no table
     timed = [r for r in rows if "ms" in r]
     cur = next((r for r in timed if all(r.get(key) == v for key, v in current.items())), None)
     best = min((r for r in timed if r["rel_err"] < 1e-2), key=lambda r: r["ms"], default=None)
@@ -104,22 +113,36 @@ def describe(p: dict) -> str:
     return f"{head}, table {now}, best {fast}"
 
 
+def table_entries(points: list[dict]) -> dict[str, dict]:
+    """{'m_bucket,n,k': best config} (the launch keys only)."""
+    from slimserve_kernels.fp8_w8a8_triton import table_key
+
+    keep = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "split_k")
+    return {",".join(map(str, table_key(p["m"], p["n"], p["k"]))): {k: p["best"][k] for k in keep}
+            for p in points if p["best"] is not None}  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    ap.add_argument("--table-dir", default=None, help="default: slimserve_kernels/configs")
     ap.add_argument("--smoke", action="store_true", help="tiny grid on CPU (interpreter)")
     args = ap.parse_args()
     if args.smoke:  # before the first triton import
         os.environ["TRITON_INTERPRET"] = "1"
+    from pathlib import Path
+
     import torch
 
-    grid = SMOKE if args.smoke else dict(shapes=SHAPES, ms=MS, tiles=TILES, warps=WARPS,
-                                         stages=STAGES)  # fmt: skip
+    from slimserve_kernels import tuned
+    from slimserve_kernels.fp8_w8a8_triton import TABLE
+
+    grid = SMOKE if args.smoke else FULL
     device = "cpu" if args.smoke else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: this sweep runs on a GPU (or --smoke)")
     gen, points, t0 = torch.Generator().manual_seed(0), [], time.time()
-    name = torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)"
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     os.makedirs(args.out, exist_ok=True)
     for m in grid["ms"]:
         for k, n in grid["shapes"]:
@@ -127,6 +150,10 @@ def main() -> None:
             print(describe(points[-1]), flush=True)
             with open(os.path.join(args.out, "fp8_gemm_sweep.json"), "w") as f:
                 json.dump(dict(device=name, wall_s=time.time() - t0, points=points), f)
+    root = Path(args.table_dir) if args.table_dir else None
+    path = tuned.write_table(TABLE, name, ["m_bucket", "n", "k"], table_entries(points),
+                             "bench/fp8_gemm_sweep.py", root=root)  # fmt: skip
+    print(f"table: {path} ({time.time() - t0:.0f} s)")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,14 @@
 #
 #   OUT=/tmp/gpu bash scripts/gpu_check.sh            # python3 = a python with torch + triton
 #   STAGES="tests sweep" T_SWEEP=150 OUT=/tmp/gpu bash scripts/gpu_check.sh
+#   STAGES=roofline OUT=/tmp/gpu bash scripts/gpu_check.sh   # issue 35's table, < 8 minutes
+#
+# `roofline`: the INT4 sweep and the W8A8 sweep (each writes its tuned table for this GPU into
+# slimserve_kernels/configs/), then bench/gpu_roofline.py (our kernels, with those tables,
+# beside cuBLAS BF16, GemLite and the BF16-cache attention kernel; L2 flushed per call); the
+# tables are copied to $OUT/tables (into the archive) to be checked in.
+# Wheels in .whl/ (scripts/stage_gpu_wheels.sh: gemlite and what it needs) are installed into
+# /tmp/site first when present, as the device README describes.
 #
 # $OUT ends with the stages' logs and results-HHMMSS.tgz (a lent machine returns <= 8 files).
 # Run `fp8_sweep` in a call of
@@ -18,6 +26,11 @@ OUT="${OUT:-/tmp/slimserve-gpu}"
 PY="${PY:-python3}"
 STAGES="${STAGES:-tests gpu_engine kernels}"
 mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+	"$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+		--target /tmp/site .whl/*.whl >"$OUT/wheels.log" 2>&1 &&
+		export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # The C++ CPU kernels are not what a GPU run checks, and their first build (tests/conftest.py
 # builds all three at session start) would take minutes of the lent time: the CPU sides of the
@@ -46,6 +59,17 @@ stage gpu_engine "${T_ENGINE:-150}" "$PY" bench/gpu_engine.py --quick --out "$OU
 stage kernels "${T_KERNELS:-170}" "$PY" bench/kernels.py --quick --out "$OUT"
 stage sweep "${T_SWEEP:-150}" "$PY" bench/int4_gemv_sweep.py --out "$OUT"
 stage fp8_sweep "${T_FP8_SWEEP:-300}" "$PY" bench/fp8_gemm_sweep.py --out "$OUT"
+roofline() {  # the sweeps (tables into slimserve_kernels/configs), then the comparison
+	local lim="timeout --signal=INT --kill-after=10"
+	$lim "${T_INT4_SWEEP:-150}" "$PY" bench/int4_gemv_sweep.py --out "$OUT"
+	echo "int4 sweep rc=$?"
+	$lim "${T_FP8_SWEEP:-150}" "$PY" bench/fp8_gemm_sweep.py --out "$OUT"
+	echo "fp8 sweep rc=$?"
+	$lim "${T_COMPARE:-150}" "$PY" bench/gpu_roofline.py --out "$OUT"
+	echo "comparison rc=$?"
+	mkdir -p "$OUT/tables" && cp -r slimserve_kernels/configs/. "$OUT/tables/"
+}
+stage roofline "${T_ROOFLINE:-470}" bash -c "$(declare -f roofline); PY=$PY OUT=$OUT roofline"
 # A lent machine returns at most 8 files: the logs stay as they are, the rest (JSON, PNG) go
 # into one archive per run of this script (unpack with `tar xzf results-*.tgz`).
 others=$(cd "$OUT" && ls | grep -v -e '\.log$' -e '^results-.*\.tgz$')

@@ -26,6 +26,7 @@ __all__ = [
     "fp8_gemm",
     "fused_moe",
     "int4_gemm",
+    "int4_gemm_kn",
     "kv_write",
     "paged_decode_attention",
     "paged_prefill_attention",
@@ -34,6 +35,7 @@ __all__ = [
     "triton_fp8_w8a8_gemm",
     "triton_fused_moe",
     "triton_int4_gemm",
+    "triton_int4_gemm_kn",
     "triton_kv_write",
     "triton_paged_decode_attention",
     "triton_paged_prefill_attention",
@@ -75,6 +77,10 @@ def triton_int4_gemm(*args, **kwargs) -> torch.Tensor:
     return _kernel("int4_gemm_triton", "int4_gemm")(*args, **kwargs)
 
 
+def triton_int4_gemm_kn(*args, **kwargs) -> torch.Tensor:
+    return _kernel("int4_kn_triton", "int4_gemm_kn")(*args, **kwargs)
+
+
 def triton_fp8_gemm(*args, **kwargs) -> torch.Tensor:
     return _kernel("fp8_gemm_triton", "fp8_gemm")(*args, **kwargs)
 
@@ -104,6 +110,16 @@ def int4_gemm(x, qweight, scales, zeros, group_size: int) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W.T, W from INT4 qweight [N, K // 8]; see README.md here."""
     fn = triton_int4_gemm if use_triton(x) else reference.int4_gemm
     return fn(x, qweight, scales, zeros, group_size)
+
+
+def int4_gemm_kn(x, w) -> torch.Tensor:
+    """y [M, N] = x [M, K] @ W.T, W an `int4_layout.Int4KN` (the K-major layout the GEMV and
+    split-K kernels read; made from the canonical one at load time); see README.md here."""
+    if use_triton(x):
+        return triton_int4_gemm_kn(x, w)
+    from slimserve_kernels.int4_layout import int4_gemm_kn as reference_kn
+
+    return reference_kn(x, w)
 
 
 def fp8_gemm(x, weight, scale, block: tuple[int, int]) -> torch.Tensor:

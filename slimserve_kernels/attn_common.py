@@ -111,7 +111,7 @@ def kv_tile_update(
     valid,
     mask,
     kv,
-    sm_scale,
+    qk_scale,
     offs_d,
     dmask,
     BLOCK_SIZE: tl.constexpr,
@@ -120,10 +120,11 @@ def kv_tile_update(
 ):
     """Online-softmax step of q [BLOCK_M, BLOCK_D] over keys at positions offs_n [BLOCK_N].
 
-    kv: one sequence's KV head, as `attend_paged` takes it. FP8 descale: the K exponent scales score
-    columns (exact, a power of two). The V exponent is split into the tile max (applied to
-    the fp32 product) and a per-key remainder <= 1 folded into p, so p stays in [0, 1] and
-    cannot underflow in fp16.
+    kv: one sequence's KV head, as `attend_paged` takes it. Scores are in log2 units: qk_scale
+    = sm_scale * log2(e), folded with the FP8 K descale (a power of two per key, exact) into one
+    column factor, so each score takes one multiply and the softmax runs on exp2. The V
+    exponent is split into the tile max (applied to the fp32 product) and a per-key remainder
+    <= 1 folded into p, so p stays in [0, 1] and cannot underflow in fp16.
     """
     bt_row_ptr, cache, hkv, strides = kv
     kc_ptr, vc_ptr, ks_ptr, vs_ptr = cache
@@ -131,13 +132,15 @@ def kv_tile_update(
     off = (offs_n % BLOCK_SIZE).to(tl.int64)
     k, ek = _load_paged(kc_ptr, ks_ptr, blk, off, hkv, strides, valid, offs_d, dmask, IS_FP8)
     s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
-    if IS_FP8:
-        s = s * pow2(ek)[None, :]
-    s = tl.where(mask, s * sm_scale, float("-inf"))
+    if IS_FP8:  # noqa: SIM108 (a compile-time branch) one factor per key column
+        s = s * (qk_scale * pow2(ek))[None, :]
+    else:
+        s = s * qk_scale
+    s = tl.where(mask, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # fully masked rows stay at 0
-    alpha = tl.exp(m_i - m_safe)
-    p = tl.exp(s - m_safe[:, None])  # [BLOCK_M, BLOCK_N]
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])  # [BLOCK_M, BLOCK_N]
     l_i = l_i * alpha + tl.sum(p, axis=1)
     v, ev = _load_paged(vc_ptr, vs_ptr, blk, off, hkv, strides, valid, offs_d, dmask, IS_FP8)
     if IS_FP8:
@@ -174,8 +177,10 @@ def attend_paged(
     head, the cache's strides as `PagedCache.strides`).
 
     CAUSAL: row r sees keys up to its own position qpos[r]; else every row sees them all.
-    Returns (out [R, BLOCK_D] fp32, row max m [R], row sum l [R]); out is 0 where l = 0.
+    Returns (out [R, BLOCK_D] fp32, row max m [R] in log2 units, row sum l [R]); out is 0
+    where l = 0; the rows' log2-sum-exp is m + log2(l).
     """
+    qk_scale = sm_scale * 1.4426950408889634  # log2(e): exp(x) = exp2(x log2 e)
     m_i = tl.full([q.shape[0]], float("-inf"), tl.float32)
     l_i = tl.zeros([q.shape[0]], tl.float32)
     acc = tl.zeros(q.shape, tl.float32)
@@ -185,6 +190,6 @@ def attend_paged(
         mask = rmask[:, None] & valid[None, :]
         if CAUSAL:
             mask = mask & (offs_n[None, :] <= qpos[:, None])
-        acc, m_i, l_i = kv_tile_update(q, acc, m_i, l_i, offs_n, valid, mask, kv, sm_scale,
+        acc, m_i, l_i = kv_tile_update(q, acc, m_i, l_i, offs_n, valid, mask, kv, qk_scale,
                                        offs_d, dmask, BLOCK_SIZE, IS_FP8, PRECISION)  # fmt: skip
     return acc / tl.maximum(l_i, 1e-30)[:, None], m_i, l_i

@@ -14,7 +14,8 @@ b_scale[col] after the dot. The dot itself:
   fp16 value; uint8 bits below sm_89 are decoded as in W8A16), so the scale math is the same.
   For GPUs without FP8 tensor cores, and the interpreter's default (fp16/fp32 inside the
   interpreter, quantized to FP8 on the host). The interpreter also runs `FP8_DOT=True`.
-Split-K as in W8A16 (gemm_common.py) for small output grids.
+Split-K as in W8A16 (gemm_common.py) for small output grids; the output tiles are walked in
+GROUP_M-row groups (`swizzled_tile`) so programs running together share operand tiles in L2.
 """
 
 from __future__ import annotations
@@ -28,12 +29,16 @@ from slimserve_kernels.fp8_act_quant_triton import quantize_fp8_token_groups
 from slimserve_kernels.fp8_utils import e4m3_bits_to_fp16
 from slimserve_kernels.gemm_common import (
     load_x_tile,
-    output_tile,
     split_k,
     split_k_range,
     store_split,
+    swizzled_tile,
 )
 from slimserve_kernels.reference import FP8_DTYPE, FP8_GROUP
+from slimserve_kernels.tuned import device_name, lookup, m_bucket
+
+TABLE = "fp8_w8a8"  # slimserve_kernels/configs/fp8_w8a8/<GPU>.json, bench/fp8_gemm_sweep.py
+M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
 
 @triton.jit
@@ -70,9 +75,11 @@ def _w8a8_gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
     FP8_DOT: tl.constexpr,
 ):
-    offs_m, offs_n, split = output_tile(BLOCK_M, BLOCK_N)
+    offs_m, offs_n = swizzled_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    split = tl.program_id(1)
     m64, n64 = offs_m.to(tl.int64), offs_n.to(tl.int64)
     mmask, nmask = offs_m < M, offs_n < N
     as_rows = m64 * stride_asm  # [BM]
@@ -91,20 +98,29 @@ def _w8a8_gemm_kernel(
     store_split(y_ptr, acc, m64, offs_m, offs_n, split, M, N, stride_ys, stride_ym)
 
 
-def choose_config(m: int, n: int, k: int, sbk: int, num_sms: int = 132) -> dict:
-    """Tiles and split-K (a fixed table, the one the CPU tests run). BLOCK_K = 128: FP8 dots
-    want long K tiles (32 bytes of K per MMA k-step), and 128 divides both scale columns in
-    the 128 x 128 checkpoints. Chosen from first principles and compiled without spills for
-    sm_90 (tests/kernels/gpu_compile.py); not timed on a GPU yet (bench/kernels.py)."""
+def table_key(m: int, n: int, k: int) -> tuple[int, int, int]:
+    """The tuned table's key: (M bucket, N, K); 128 x 128 weight scale blocks."""
+    return (m_bucket(m, M_BUCKETS), n, k)
+
+
+def choose_config(m: int, n: int, k: int, sbk: int, num_sms: int = 132,
+                  device: str = "cpu") -> dict:  # fmt: skip
+    """Tiles and split-K: this GPU's tuned table (128 x 128 scale blocks), else a fixed rule
+    (the one the CPU tests run). BLOCK_K = 128: FP8 dots want long K tiles (32 bytes of K per
+    MMA k-step), and each K step then applies one scale pair of the 128 x 128 checkpoints.
+    The rule's tiles compile without spills for sm_90 (tests/kernels/gpu_compile.py)."""
     bk = next((b for b in (128, 64, 32) if sbk % b == 0 or sbk >= k), None)
     assert bk is not None, f"weight scale blocks of {sbk} columns: not a multiple of 32"
+    tuned = lookup(TABLE, device, table_key(m, n, k)) if bk == 128 else None
+    if tuned is not None:
+        return tuned
     if m <= 64:
         bm, bn, warps = (16 if m <= 16 else 32 if m <= 32 else 64), 64, 4
     else:
         bm, bn, warps = 128, 128, 8
-    cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
+    cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=warps)
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    cfg["split_k"] = split_k(tiles, triton.cdiv(k, bk), num_sms)
+    cfg["split_k"] = split_k(tiles, triton.cdiv(k, bk), num_sms)  # few tiles: split K
     return cfg
 
 
@@ -146,13 +162,13 @@ def fp8_block_gemm(
     assert native or not (fp8_dot and a.is_cuda), "FP8 dots need compute capability >= 8.9"
     if m == 0:
         return torch.empty(0, n, device=a.device, dtype=out_dtype)
-    cfg = config or choose_config(m, n, k, sbk, num_sms(a))
+    cfg = config or choose_config(m, n, k, sbk, num_sms(a), device_name(a))
     bk = cfg["BLOCK_K"]
     assert group % bk == 0 and (sbk % bk == 0 or sbk >= k), "a K tile may straddle a scale"
     splits = cfg["split_k"]
     y = torch.empty(splits, m, n, device=a.device, dtype=torch.float32 if splits > 1 else out_dtype)
     k_per_split = triton.cdiv(triton.cdiv(k, splits), bk) * bk
-    grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]), splits)
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]), splits)
     _w8a8_gemm_kernel[grid](
         _operand(a, native),
         a_scale,
@@ -175,6 +191,7 @@ def fp8_block_gemm(
         BLOCK_M=cfg["BLOCK_M"],
         BLOCK_N=cfg["BLOCK_N"],
         BLOCK_K=bk,
+        GROUP_M=cfg.get("GROUP_M", 8),
         FP8_DOT=fp8_dot,
         num_warps=cfg.get("num_warps", 4),
         num_stages=cfg.get("num_stages", 3),  # Triton's default on CUDA; no-op interpreted

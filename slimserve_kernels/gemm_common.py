@@ -43,3 +43,17 @@ def split_k(tiles: int, k_tiles: int, num_sms: int) -> int:
     """Splits of K for a tiled launch of `tiles` output tiles over `k_tiles` K tiles: enough
     programs for two per SM, at least 4 K tiles per split, at most 16 splits."""
     return max(1, min(triton.cdiv(2 * num_sms, tiles), k_tiles // 4, 16))
+
+
+@triton.jit
+def swizzled_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(offs_m [BM], offs_n [BN]) of program `pid` in a 1-D grid over the output tiles, walked
+    in groups of GROUP_M tile rows (column by column inside a group), so programs running at
+    once share W's column tiles and x's row tiles in L2."""
+    grid_m, grid_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * grid_n
+    first_m = (pid // per_group) * GROUP_M
+    rows = tl.minimum(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % rows
+    pid_n = (pid % per_group) // rows
+    return pid_m * BLOCK_M + tl.arange(0, BLOCK_M), pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

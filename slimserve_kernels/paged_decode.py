@@ -49,6 +49,7 @@ def _decode_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    MIN_SPLIT_TILES: tl.constexpr,
     IS_FP8: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -56,9 +57,12 @@ def _decode_kernel(
     hkv = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(lens_ptr + b)
-    # Each split covers a whole number of BLOCK_N tiles of this sequence's context.
+    # This sequence's split count, sized here from its own length (no host sync, so a CUDA
+    # graph replays it for any lengths): at least MIN_SPLIT_TILES tiles per split, at most the
+    # grid's NUM_SPLITS; splits past it are empty. Each covers a whole number of tiles.
     tiles = tl.cdiv(seq_len, BLOCK_N)
-    tiles_per_split = tl.cdiv(tiles, NUM_SPLITS)
+    splits = tl.minimum(tl.maximum(tiles // MIN_SPLIT_TILES, 1), NUM_SPLITS)
+    tiles_per_split = tl.cdiv(tiles, splits)
     start = split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
 
@@ -84,7 +88,7 @@ def _decode_kernel(
         mask=hmask[:, None] & dmask[None, :],
     )
     if NUM_SPLITS > 1:
-        lse = tl.where(l_i > 0, m_i + tl.log(tl.maximum(l_i, 1e-30)), float("-inf"))
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))  # log2
         tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=hmask)
 
 
@@ -111,7 +115,7 @@ def _reduce_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     smask = offs_s < NUM_SPLITS
     lse = tl.load(lse_ptr + b * stride_lb + h * stride_lh + offs_s, mask=smask, other=float("-inf"))
-    w = tl.exp(lse - tl.max(lse, axis=0))  # [BLOCK_S]; split 0 is never empty
+    w = tl.exp2(lse - tl.max(lse, axis=0))  # [BLOCK_S]; log2 units; split 0 is never empty
     p_ptrs = part_ptr + b * stride_pb + h * stride_ph + offs_s[:, None] * stride_ps
     part = tl.load(
         p_ptrs + offs_d[None, :], mask=smask[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0
@@ -121,17 +125,27 @@ def _reduce_kernel(
     tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
-def choose_num_splits(batch: int, hkv: int, max_context: int, num_sms: int = 132) -> int:
-    """Split the context only when (B, Hkv) alone cannot fill the GPU and the context is long.
+# A split holds at least this many keys (fewer would spend more on the merge than they save).
+MIN_SPLIT_KEYS = 256
+MAX_SPLITS = 64
 
-    Aim for ~2 programs per SM with at least 512 keys per split, at most 32 splits.
+
+def choose_num_splits(batch: int, hkv: int, max_context: int, num_sms: int = 132) -> int:
+    """The grid's split count (an upper bound: each sequence takes as many of them as its own
+    length allows, in-kernel). 1 when (B, Hkv) alone gives two programs per SM or the context
+    bound is short; else ~4 programs per SM, at most one split per MIN_SPLIT_KEYS keys of the
+    bound and MAX_SPLITS.
     """
     programs = batch * hkv
-    if programs >= num_sms or max_context <= 1024:
+    if programs >= 2 * num_sms or max_context <= 2 * MIN_SPLIT_KEYS:
         return 1
-    by_occupancy = triton.cdiv(2 * num_sms, programs)
-    by_length = max(1, max_context // 512)
-    return max(1, min(by_occupancy, by_length, 32))
+    by_occupancy = triton.cdiv(4 * num_sms, programs)
+    return max(1, min(by_occupancy, max_context // MIN_SPLIT_KEYS, MAX_SPLITS))
+
+
+def default_block_n(k_cache: torch.Tensor) -> int:
+    """Keys per tile: 64 for an FP8 cache (the bytes in flight of a 16-bit cache's 32)."""
+    return 64 if k_cache.element_size() == 1 else 32
 
 
 def paged_decode_attention(
@@ -144,15 +158,20 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,  # [B] int32, >= 1
     sm_scale: float,
     num_splits: int | None = None,
-    block_n: int = 32,
+    block_n: int | None = None,
 ) -> torch.Tensor:
-    """Triton twin of `reference.paged_decode_attention`; `num_splits` None = heuristic."""
+    """Triton twin of `reference.paged_decode_attention`. `num_splits` None = heuristic (each
+    sequence then splits only from MIN_SPLIT_KEYS keys on); a given `num_splits` splits every
+    sequence of at least that many tiles into exactly that many. `block_n` None = per dtype."""
     bsz, hq, d = q.shape
     hkv, block_size = check_cache(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens)
     assert seq_lens.shape == (bsz,)
+    block_n = block_n or default_block_n(k_cache)
+    min_split_tiles = 1
     if num_splits is None:
         max_context = block_tables.shape[1] * block_size  # an upper bound, no host sync
         num_splits = choose_num_splits(bsz, hkv, max_context, num_sms(q))
+        min_split_tiles = triton.cdiv(MIN_SPLIT_KEYS, block_n)
     cache = PagedCache.of(k_cache, v_cache, k_scale, v_scale)
     out = torch.empty_like(q)
     q, precision = dot_operands(q, k_cache)
@@ -186,6 +205,7 @@ def paged_decode_attention(
         BLOCK_D=triton.next_power_of_2(d),
         BLOCK_N=block_n,
         NUM_SPLITS=num_splits,
+        MIN_SPLIT_TILES=min_split_tiles,
         IS_FP8=cache.is_fp8,
         PRECISION=precision,
     )

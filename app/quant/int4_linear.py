@@ -1,7 +1,10 @@
 """`Int4Linear`: W4A16 drop-in for the model's linear layers (module replacement).
 
-On CUDA it calls `slimserve_kernels.int4_gemm` (Triton; groups 32/64/128, larger multiples are split
-into those); on CPU it calls PyTorch's built-in int4
+On CUDA it calls `slimserve_kernels.int4_gemm_kn` (Triton GEMV / split-K GEMM; groups 32/64/128,
+larger multiples are split into those) on the K-major layout (`slimserve_kernels.int4_layout`),
+made when the layer first runs on CUDA: the checkpoint's layout is unchanged, and qweight and
+scales are re-stored column-major in place so the K-major tensors are views of them (one copy
+of the words in GPU memory). On CPU it calls PyTorch's built-in int4
 matmul, `aten._weight_int4pack_mm_for_cpu`, on a weight converted once by
 `aten._convert_weight_to_int4pack_for_cpu`. Their conventions, found by experiment on
 torch 2.13 (tests/quant/test_int4_linear.py pins them):
@@ -31,6 +34,7 @@ import slimserve_kernels
 from app.quant.int4 import SYM_ZERO, Int4Weight
 from app.quant.linear import UNSHARDED, LinearRole, QuantizedLinear
 from app.quant.params import copy_loader, loaded_param
+from slimserve_kernels.int4_layout import Int4KN, column_major
 
 log = logging.getLogger(__name__)
 CPU_GROUPS = (256, 128, 64, 32)
@@ -127,7 +131,7 @@ class Int4Linear(QuantizedLinear):
         self.perm = loaded_param(torch.arange(k), perm_loader) if act_order else None
         self._perm_loaded = False
         self._cpu: dict[torch.dtype, CpuInt4Pack] = {}
-        self._gpu: dict[str, Int4Weight] = {}
+        self._gpu: dict[str, Int4KN] = {}
 
     def _invalidating(self, loader):
         def load(param, loaded, shard_id=None):
@@ -187,14 +191,20 @@ class Int4Linear(QuantizedLinear):
         out[:, self.perm] = w
         return out
 
+    def kernel_weight(self) -> Int4KN:
+        """The weight as the CUDA kernels read it, made once (again after new weights load)."""
+        w = self._gpu.get("kn")
+        if w is None:
+            if self.group_size in GPU_GROUPS:  # no regrouping: views of the parameters
+                self.qweight.data = column_major(self.qweight.data)
+                self.scales.data = column_major(self.scales.data)
+            qw = regroup(self.weight_int4, GPU_GROUPS)
+            w = self._gpu["kn"] = Int4KN.of(qw.qweight, qw.scales, qw.zeros, qw.group_size)
+        return w
+
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:  # x: [M, K] -> [M, N]
         if x.is_cuda:
-            qw = self._gpu.get("w")
-            if qw is None:
-                qw = self._gpu["w"] = regroup(self.weight_int4, GPU_GROUPS)
-            return slimserve_kernels.int4_gemm(
-                x.contiguous(), qw.qweight, qw.scales, qw.zeros, qw.group_size
-            )
+            return slimserve_kernels.int4_gemm_kn(x.contiguous(), self.kernel_weight())
         pack = self._cpu.get(x.dtype)
         if pack is None:
             pack = self._cpu[x.dtype] = CpuInt4Pack.build(self.weight_int4, x.dtype)

@@ -13,15 +13,25 @@ the totals into a replica count. Serve then applies ``upscaling_factor`` /
 Both are classes so the deploy config can tune them (``policy.policy_kwargs``); Serve builds
 one instance per deployment and calls it every control-loop tick. Until the replicas have
 reported (first seconds after start) they fall back to Serve's request-count policy.
+
+Each decision is made visible to an operator (``DecisionReport``): a line in Serve's
+controller log (the policies run in the controller; the Ray dashboard's Serve page links to
+that log) whenever the wanted replica count or what drove it changes, and two gauges,
+``slimserve:autoscaling_desired_replicas`` and ``slimserve:autoscaling_input``, every tick.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
 from ray.serve.autoscaling_policy import replica_queue_length_autoscaling_policy
 from ray.serve.config import AutoscalingContext
+from ray.util.metrics import Gauge
+
+# Serve's controller writes this logger to its log file (logs/serve/controller_*.log).
+logger = logging.getLogger("ray.serve")
 
 # Metric names a replica reports (record_autoscaling_stats) and the policies read.
 PREFILL_TOKENS = "prefill_tokens"  # prompt tokens admitted and not yet prefilled
@@ -52,6 +62,66 @@ def _per_replica(ctx: AutoscalingContext, name: str) -> list[float] | None:
     return [float(v) for v in values]
 
 
+class DecisionReport:
+    """One policy's last decision, told to the controller log and to two gauges.
+
+    Ray refuses ':' in metric names, so they are registered with '_' and scraped as
+    ``ray_slimserve_autoscaling_desired_replicas`` / ``ray_slimserve_autoscaling_input``
+    (docs/operations.md). The log line is written when ``ceil(desired)`` or the basis
+    changes, not every tick (the control loop runs ten times a second)."""
+
+    def __init__(self, policy: str):
+        self.policy = policy
+        self.last: tuple[int, str] | None = None
+        tags = ("application", "deployment")
+        self.desired_gauge = Gauge(
+            "slimserve_autoscaling_desired_replicas",
+            "Replicas the slimserve policy wants, before Serve's bounds, factors and delays.",
+            tag_keys=tags,
+        )
+        self.input_gauge = Gauge(
+            "slimserve_autoscaling_input",
+            "What the slimserve policy's last decision was computed from (input=name).",
+            tag_keys=(*tags, "input"),
+        )
+
+    def __call__(
+        self, ctx: AutoscalingContext, desired: float, basis: str, inputs: dict[str, float]
+    ) -> None:
+        tags = {"application": ctx.app_name, "deployment": ctx.deployment_name}
+        self.desired_gauge.set(float(desired), tags=tags)
+        for name, value in inputs.items():
+            self.input_gauge.set(float(value), tags={**tags, "input": name})
+        key = (math.ceil(desired), basis)
+        if key == self.last:
+            return
+        self.last = key
+        logger.info(decision_line(ctx, self.policy, desired, basis, inputs))
+
+
+def decision_line(
+    ctx: AutoscalingContext, policy: str, desired: float, basis: str, inputs: dict[str, float]
+) -> str:
+    """``slimserve autoscaling: <deployment> wants <n> replicas ...``: what an operator greps
+    the controller log for."""
+    shown = " ".join(f"{k}={v:.4g}" for k, v in inputs.items())
+    return (
+        f"slimserve autoscaling: {ctx.deployment_name} ({ctx.app_name}) wants "
+        f"{math.ceil(desired)} replicas (raw {desired:.3f}; running "
+        f"{ctx.current_num_replicas}, target {ctx.target_num_replicas}, bounds "
+        f"{ctx.capacity_adjusted_min_replicas}..{ctx.capacity_adjusted_max_replicas}) "
+        f"by {basis} [{policy}] {shown}"
+    )
+
+
+def _fallback(ctx: AutoscalingContext, report: DecisionReport) -> tuple[float, dict[str, Any]]:
+    """Serve's request-count policy, reported as such (the replicas have not reported yet)."""
+    desired, state = replica_queue_length_autoscaling_policy(ctx)
+    total = float(ctx.total_num_requests or 0.0)
+    report(ctx, desired, "request_count", {"total_requests": total})
+    return desired, state
+
+
 class PrefillTokenPolicy:
     """Replicas = prompt tokens waiting to be prefilled / ``target_tokens_per_replica``.
 
@@ -66,17 +136,26 @@ class PrefillTokenPolicy:
         assert target_tokens_per_replica > 0 and default_prompt_tokens > 0
         self.target_tokens_per_replica = float(target_tokens_per_replica)
         self.default_prompt_tokens = default_prompt_tokens
+        self.report = DecisionReport(type(self).__name__)
 
     def __call__(self, ctx: AutoscalingContext) -> tuple[float, dict[str, Any]]:
         tokens = _per_replica(ctx, PREFILL_TOKENS)
         requests = _per_replica(ctx, NUM_REQUESTS)
         if tokens is None or requests is None:
-            return replica_queue_length_autoscaling_policy(ctx)
+            return _fallback(ctx, self.report)
         held, running = sum(tokens), sum(requests)
         per_request = held / running if running >= 1 else self.default_prompt_tokens
         queued = max(0.0, float(ctx.total_queued_requests or 0.0))
         demand = held + queued * per_request
         desired = demand / self.target_tokens_per_replica
+        inputs = {
+            "prefill_tokens": held,
+            "queued_requests": queued,
+            "tokens_per_request": per_request,
+            "prefill_tokens_demand": demand,
+            "target_tokens_per_replica": self.target_tokens_per_replica,
+        }
+        self.report(ctx, desired, "prefill_tokens", inputs)
         return desired, {"prefill_tokens_demand": demand}
 
 
@@ -96,15 +175,26 @@ class DecodeKVPolicy:
         assert 0 < target_kv_usage <= 1 and target_running_per_replica > 0
         self.target_kv_usage = float(target_kv_usage)
         self.target_running_per_replica = float(target_running_per_replica)
+        self.report = DecisionReport(type(self).__name__)
 
     def __call__(self, ctx: AutoscalingContext) -> tuple[float, dict[str, Any]]:
         usage = _per_replica(ctx, KV_CACHE_USAGE)
         running = _per_replica(ctx, NUM_RUNNING)
         waiting = _per_replica(ctx, NUM_WAITING)
         if usage is None or running is None or waiting is None:
-            return replica_queue_length_autoscaling_policy(ctx)
+            return _fallback(ctx, self.report)
         by_kv = sum(usage) / self.target_kv_usage  # = replicas x mean usage / target
         queued = max(0.0, float(ctx.total_queued_requests or 0.0))
         seqs = sum(running) + sum(waiting) + queued
         by_seqs = seqs / self.target_running_per_replica
+        inputs = {
+            "kv_cache_usage_sum": sum(usage),
+            "num_running": sum(running),
+            "num_waiting": sum(waiting),
+            "queued_requests": queued,
+            "decode_by_kv": by_kv,
+            "decode_by_seqs": by_seqs,
+        }
+        basis = "kv_cache_usage" if by_kv >= by_seqs else "sequences"
+        self.report(ctx, max(by_kv, by_seqs), basis, inputs)
         return max(by_kv, by_seqs), {"decode_by_kv": by_kv, "decode_by_seqs": by_seqs}

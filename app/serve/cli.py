@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
+import socket
 import sys
 import threading
+import time
 
 import yaml
 
@@ -17,6 +20,16 @@ GRPC_SERVICERS = "app.serve.grpc_servicer.add_slimserve_grpc_servicers"
 PROXIES = ("haproxy", "serve")
 DEFAULT_PROXY = "haproxy"
 HAPROXY_ENV = "RAY_SERVE_ENABLE_HA_PROXY"
+# Ray's token authentication (docs/operations.md "Ray dashboard"): the mode, and where the
+# token is read from: the variable, else the file the path names, else ~/.ray/auth_token.
+AUTH_MODE_ENV, AUTH_TOKEN_ENV, AUTH_TOKEN_PATH_ENV = (
+    "RAY_AUTH_MODE",
+    "RAY_AUTH_TOKEN",
+    "RAY_AUTH_TOKEN_PATH",
+)
+DASHBOARD_PORT = 8265
+METRICS_PORT = 9090
+APP_NAME = "slimserve"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -42,6 +55,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="haproxy: HAProxy in front of the Ingress replicas' own servers; "
         "serve: Serve's Python proxy actor (docs/serving.md)",
     )
+    p.add_argument(
+        "--dashboard",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the Ray dashboard (Serve tab: deployments, replicas, autoscaling); "
+        "--no-dashboard: none (docs/operations.md)",
+    )
+    p.add_argument("--dashboard-host", default="127.0.0.1")
+    p.add_argument(
+        "--dashboard-port",
+        type=int,
+        help=f"default: {DASHBOARD_PORT}, or a free port if another Ray holds that one",
+    )
+    p.add_argument(
+        "--metrics",
+        action="store_true",
+        help="also start Prometheus (Debian's `prometheus`) scraping this Ray, for the "
+        "dashboard and slimserve's panels (app/serve/metrics_stack.py)",
+    )
+    p.add_argument("--metrics-port", type=int, default=METRICS_PORT, help="Prometheus' port")
     # Every engine option of app/config.py; given flags override the config file's engine:.
     from app.options import OPTIONS, add_engine_arguments
     from app.serve.config import SERVE_DEFAULTS
@@ -49,11 +82,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_arguments(p, [name for name in OPTIONS if name != "model"], SERVE_DEFAULTS)
 
 
+def first_application(path: str | None) -> dict:
+    """The config file's first application (``{}`` without a file)."""
+    if not path:
+        return {}
+    with open(path) as f:
+        return dict(yaml.safe_load(f)["applications"][0])
+
+
 def serve_args(args: argparse.Namespace) -> dict:
-    cfg: dict = {}
-    if args.config:
-        with open(args.config) as f:
-            cfg = dict(yaml.safe_load(f)["applications"][0].get("args") or {})
+    cfg = dict(first_application(args.config).get("args") or {})
     from app.options import given_options
 
     engine = dict(cfg.get("engine") or {}) | given_options(args)
@@ -85,35 +123,127 @@ def use_proxy(proxy: str) -> None:
     os.environ.update(env)
 
 
+def application(args: argparse.Namespace) -> dict:
+    """The Serve application to deploy, as `serve run <config>` would: the config file's
+    first application (its ``deployments`` overrides, e.g. ``autoscaling_config``, included)
+    with the command line's arguments."""
+    from app.serve.config import ServeArgs
+
+    raw = serve_args(args)
+    ServeArgs(**raw)  # a bad argument fails here, before Ray starts
+    deployments = first_application(args.config).get("deployments") or []
+    return {
+        "name": APP_NAME,
+        "route_prefix": "/",
+        "import_path": "app.serve.build:build_app",
+        "args": raw,
+        "deployments": deployments,
+    }
+
+
+def deploy(app: dict) -> None:
+    """Deploy ``app`` through Serve's config path (what `serve run <config>` and `serve
+    deploy` do, so ``deployments`` overrides apply) and wait until it runs."""
+    from ray import serve
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeDeploySchema
+
+    _get_global_client().deploy_apps(ServeDeploySchema.model_validate({"applications": [app]}))
+    while True:
+        status = serve.status().applications.get(APP_NAME)
+        if status is not None and status.status == "RUNNING":
+            return
+        if status is not None and status.status == "DEPLOY_FAILED":
+            raise RuntimeError(f"slimserve failed to deploy: {status.message}")
+        time.sleep(0.5)
+
+
+def dashboard_sign_in() -> str:
+    """How to sign in to the dashboard under Ray's token authentication (on by default for a
+    new local Ray since 2.60; RAY_AUTH_MODE=disabled turns it off)."""
+    if os.environ.get(AUTH_MODE_ENV, "").lower() != "token":
+        return "no sign-in (token authentication is off)"
+    if os.environ.get(AUTH_TOKEN_ENV):
+        where = f"${AUTH_TOKEN_ENV}"
+    else:
+        where = os.environ.get(AUTH_TOKEN_PATH_ENV) or os.path.join("~", ".ray", "auth_token")
+    return (
+        f"sign in with the token in {where} (`ray get-auth-token` prints it): paste it into "
+        "the dashboard's 'Authentication Token Required' dialog"
+    )
+
+
+def dashboard_port(args: argparse.Namespace) -> int:
+    """The port asked for; by default 8265, or a free one when 8265 is taken (as by another
+    `slimserve serve` on the machine): the printed URL says which."""
+    if args.dashboard_port is not None:
+        return args.dashboard_port
+    with socket.socket() as s:
+        try:
+            s.bind((args.dashboard_host, DASHBOARD_PORT))
+            return DASHBOARD_PORT
+        except OSError:
+            s.bind((args.dashboard_host, 0))
+            return s.getsockname()[1]
+
+
 def run(args: argparse.Namespace) -> int:
     use_proxy(args.proxy)
     import ray
     from ray import serve
 
-    from app.serve.build import build_app
-    from app.serve.config import ServeArgs
+    app = application(args)
+    prometheus_binary = None
+    if args.metrics:  # checked before Ray starts; the dashboard reads the host at its start
+        from app.serve.metrics_stack import PROMETHEUS_HOST_ENV, find_prometheus
 
-    cfg = ServeArgs(**serve_args(args))
+        prometheus_binary = find_prometheus()
+        os.environ[PROMETHEUS_HOST_ENV] = f"http://127.0.0.1:{args.metrics_port}"
     # Always a new local Ray (never one found through RAY_ADDRESS or /tmp/ray): the proxy
     # switch above only holds for a Ray this process starts.
-    ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False)
-    grpc = {"port": args.grpc_port, "grpc_servicer_functions": [GRPC_SERVICERS]}
-    serve.start(
-        http_options={"host": args.host, "port": args.port},
-        grpc_options=grpc if args.grpc_port else None,
+    ctx = ray.init(
+        address="local",
+        num_cpus=args.num_cpus,
+        include_dashboard=args.dashboard,
+        dashboard_host=args.dashboard_host,
+        dashboard_port=dashboard_port(args) if args.dashboard else None,
     )
-    serve.run(build_app(cfg), name="slimserve", route_prefix="/")
-    print(f"slimserve: OpenAI API on http://{args.host}:{args.port}/v1 (Ctrl-C stops)")
-    print(f"slimserve: proxy {args.proxy}")
-    if args.grpc_port:
-        print(f"slimserve: gRPC API (slimserve.v1.Generation) on port {args.grpc_port}")
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    # Printed before the app deploys: the dashboard shows it starting (model loading included).
+    if args.dashboard:
+        print(f"slimserve: Ray dashboard on http://{ctx.dashboard_url}/#/serve")
+        print(f"slimserve: dashboard {dashboard_sign_in()}")
+    logs = os.path.join(ctx.address_info["session_dir"], "logs")
+    print(f"slimserve: Ray logs in {logs} (autoscaling decisions: serve/controller_*.log)")
+    sys.stdout.flush()
+    prometheus = None
     try:
-        stop.wait()
-    except KeyboardInterrupt:
-        pass
+        if args.metrics:
+            from app.serve.metrics_stack import Prometheus, ray_metrics_targets
+
+            prometheus = Prometheus(args.metrics_port, ray_metrics_targets(), prometheus_binary)
+        grpc = {"port": args.grpc_port, "grpc_servicer_functions": [GRPC_SERVICERS]}
+        serve.start(
+            http_options={"host": args.host, "port": args.port},
+            grpc_options=grpc if args.grpc_port else None,
+        )
+        deploy(app)
+        print(f"slimserve: OpenAI API on http://{args.host}:{args.port}/v1 (Ctrl-C stops)")
+        print(f"slimserve: proxy {args.proxy}")
+        if args.grpc_port:
+            print(f"slimserve: gRPC API (slimserve.v1.Generation) on port {args.grpc_port}")
+        if prometheus is not None:
+            print(f"slimserve: Prometheus on {prometheus.url} (scraping this Ray)")
+            print(f"slimserve: slimserve panels on {prometheus.console_url}")
+        sys.stdout.flush()
+        stop = threading.Event()
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        with contextlib.suppress(KeyboardInterrupt):
+            stop.wait()
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        try:
+            serve.shutdown()
+            ray.shutdown()
+        finally:
+            if prometheus is not None:
+                prometheus.stop()
     return 0

@@ -37,6 +37,7 @@ from triton.compiler import ASTSource  # noqa: E402
     w8a8,
     fused_moe,
     int4_gemm,
+    int4_kn,
     kv_write,
     paged_decode,
     paged_prefill,
@@ -49,11 +50,13 @@ from triton.compiler import ASTSource  # noqa: E402
         "fp8_w8a8_triton",
         "fused_moe_triton",
         "int4_gemm_triton",
+        "int4_kn_triton",
         "kv_write_triton",
         "paged_decode",
         "paged_prefill",
     )
 )
+from slimserve_kernels.int4_layout import Int4KN  # noqa: E402
 from slimserve_kernels.moe_common import MoEWeights  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
@@ -199,6 +202,22 @@ def gemm_launches() -> list:
     return out
 
 
+def int4_kn_launches() -> list:
+    """The K-major W4A16 kernels at their default configs: GEMV at M 1 / 2 / 4 (groups 128
+    and 32: one scale load per program, per word row), split-K GEMM at M 16 / 64 / 256, the
+    dequant pass."""
+    out, names = [], ["_int4_gemv_kernel", "_int4_splitk_kernel", "_int4_kn_dequant_kernel"]
+    for m, group, zeros in ((1, 128, False), (2, 32, True), (4, 128, True), (16, 128, False),
+                            (64, 32, True), (256, 128, False)):  # fmt: skip
+        x = torch.zeros(m, 4096, dtype=torch.bfloat16)
+        z = torch.zeros(4096, 4096 // group, dtype=torch.uint8) if zeros else None
+        qw, s = torch.zeros(4096, 512, dtype=torch.int32), torch.zeros(4096, 4096 // group)
+        w = Int4KN.of(qw, s.to(torch.bfloat16), z, group)
+        out += record(int4_kn, names, int4_kn.int4_gemm_kn, x, w)
+    out += record(int4_kn, names, int4_kn.dequantize_kn, w, torch.bfloat16)
+    return out
+
+
 def fp8_gemm_launches(arch: int) -> list:
     out = []
     w = torch.zeros(4096, 4096, dtype=FP8)
@@ -285,7 +304,7 @@ def launches(arch: int) -> list:
         out = attention_launches(FP8) + attention_launches(torch.bfloat16)
     finally:
         attn_common.fp8_native = real
-    out += gemm_launches() + fp8_gemm_launches(arch) + w8a8_launches(arch)
+    out += gemm_launches() + int4_kn_launches() + fp8_gemm_launches(arch) + w8a8_launches(arch)
     return out + fused_moe_launches(arch)
 
 

@@ -56,12 +56,35 @@ def test_fp8_gemm_sweep_smoke(tmp_path):
     config): every config runs and matches the reference, and the table's row is found, so
     the sweep's plumbing is known to work before a GPU's minutes are spent on it."""
     sweep = SCRIPT.parent / "fp8_gemm_sweep.py"
+    tables = tmp_path / "tables"
     res = subprocess.run(
-        [sys.executable, str(sweep), "--smoke", "--out", str(tmp_path)],
+        [sys.executable, str(sweep), "--smoke", "--out", str(tmp_path), "--table-dir", str(tables)],
         capture_output=True,
         text=True,
     )
     assert res.returncode == 0, res.stderr[-4000:]
     (point,) = json.loads((tmp_path / "fp8_gemm_sweep.json").read_text())["points"]
-    assert len(point["rows"]) == 2 and all(r["rel_err"] < 1e-2 for r in point["rows"])
+    assert len(point["rows"]) >= 2 and all(r["rel_err"] < 1e-2 for r in point["rows"])
     assert point["current_row"] is not None and point["best"] is not None
+    table = json.loads((tables / "fp8_w8a8" / "cpu.json").read_text())
+    assert list(table["configs"]) == ["64,96,256"] and table["key"] == ["m_bucket", "n", "k"]
+
+
+def test_int4_gemv_sweep_smoke(tmp_path):
+    """bench/int4_gemv_sweep.py --smoke: the K-major GEMV and split-K configs run under the
+    interpreter against the reference, and the tuned table it writes is the one
+    `int4_kn_triton.choose_config` reads (kernel, key, a config per swept point)."""
+    sweep = SCRIPT.parent / "int4_gemv_sweep.py"
+    tables = tmp_path / "tables"
+    res = subprocess.run(
+        [sys.executable, str(sweep), "--smoke", "--out", str(tmp_path), "--table-dir", str(tables)],
+        capture_output=True,
+        text=True,
+    )
+    assert res.returncode == 0, res.stderr[-4000:]
+    points = json.loads((tmp_path / "int4_gemv_sweep.json").read_text())["points"]
+    assert [p["m"] for p in points] == [1, 8]
+    assert all(r["rel_err"] < 2e-3 for p in points for r in p["rows"])
+    table = json.loads((tables / "int4_kn" / "cpu.json").read_text())
+    assert table["kernel"] == "int4_kn" and set(table["configs"]) == {"1,48,256,64", "8,48,256,64"}
+    assert {c["path"] for c in table["configs"].values()} == {"gemv", "splitk"}

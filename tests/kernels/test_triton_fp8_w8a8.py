@@ -94,6 +94,35 @@ def test_forced_split_k(split_k):
     assert _rel_err(out, reference.fp8_w8a8_gemm(x, w, s, (128, 128))) < REL_TOL[torch.float16]
 
 
+def test_swizzled_grid_partial_group():
+    """3 x 5 output tiles walked in GROUP_M = 2 rows (the last group has one row), split K."""
+    cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, GROUP_M=2, split_k=2)
+    gen = torch.Generator().manual_seed(11)
+    x = _activations(37, 384, gen).half()
+    w, s = _weight(72, 384, (128, 128), gen)
+    out = gemm.fp8_w8a8_gemm(x, w, s, (128, 128), config=cfg)
+    assert _rel_err(out, reference.fp8_w8a8_gemm(x, w, s, (128, 128))) < REL_TOL[torch.float16]
+
+
+def test_tuned_table_wins_for_its_gpu(tmp_path, monkeypatch):
+    from slimserve_kernels import tuned
+
+    mine = dict(BLOCK_M=64, BLOCK_N=256, BLOCK_K=128, GROUP_M=4, num_warps=8, num_stages=4,
+                split_k=1)  # fmt: skip
+    key = ",".join(map(str, gemm.table_key(600, 4096, 7168)))
+    assert key == "1024,4096,7168"
+    tuned.write_table(gemm.TABLE, "Test GPU", ["m_bucket", "n", "k"], {key: mine}, "test",
+                      root=tmp_path)  # fmt: skip
+    monkeypatch.setattr(tuned, "CONFIG_DIR", tmp_path)
+    tuned.table.cache_clear()
+    try:
+        assert gemm.choose_config(600, 4096, 7168, 128, device="Test GPU") == mine
+        assert gemm.choose_config(600, 4096, 7168, 128)["BLOCK_N"] == 128  # the rule
+        assert gemm.choose_config(600, 4096, 7168, 64, device="Test GPU")["BLOCK_K"] == 64
+    finally:
+        tuned.table.cache_clear()
+
+
 def test_guard_activation_scale_per_group():
     """Guard: the activation scale must be read per (row, K group). Seen failing: with
     `k0 // SBK` in place of `k0 // GROUP` in the kernel (weight blocks of 64 columns, so the

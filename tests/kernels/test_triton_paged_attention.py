@@ -68,10 +68,13 @@ def test_decode_without_descale_would_fail():
 
 
 def test_choose_num_splits():
-    assert decode.choose_num_splits(64, 8, 32768) == 1  # batch fills the GPU
+    assert decode.choose_num_splits(64, 8, 32768) == 1  # batch fills the GPU twice over
     assert decode.choose_num_splits(1, 8, 512) == 1  # short context
-    assert decode.choose_num_splits(1, 8, 32768) == 32
-    assert 1 < decode.choose_num_splits(4, 8, 4096) <= 8
+    assert decode.choose_num_splits(1, 8, 32768) == decode.MAX_SPLITS
+    assert decode.choose_num_splits(4, 8, 4096) == 4096 // decode.MIN_SPLIT_KEYS
+    assert decode.choose_num_splits(8, 8, 32768, num_sms=132) == 9  # ~4 programs per SM
+    assert decode.default_block_n(torch.zeros(1, dtype=FP8)) == 64
+    assert decode.default_block_n(torch.zeros(1, dtype=torch.bfloat16)) == 32
 
 
 def _prefill_case(cache_dtype, q_dtype, lens, qlens, hq, hkv, d, bs, gen):

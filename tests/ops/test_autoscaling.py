@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 from ray.serve._private.common import DeploymentID, ReplicaID
 from ray.serve.autoscaling_policy import _apply_autoscaling_config
@@ -140,3 +142,48 @@ def test_bad_knobs_are_rejected():
         DecodeKVPolicy(target_kv_usage=1.5)
     with pytest.raises(AssertionError):
         PrefillTokenPolicy(target_tokens_per_replica=0)
+
+
+@pytest.fixture
+def decisions():
+    """The lines the policies write to Serve's controller logger ("ray.serve")."""
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+
+    serve_logger = logging.getLogger("ray.serve")
+    handler, level = Keep(level=logging.INFO), serve_logger.level
+    serve_logger.addHandler(handler)
+    serve_logger.setLevel(logging.INFO)
+    yield lines
+    serve_logger.removeHandler(handler)
+    serve_logger.setLevel(level)
+
+
+def test_a_decision_is_logged_when_it_changes_with_its_inputs(decisions):
+    policy = PrefillTokenPolicy(target_tokens_per_replica=1000)
+    policy(prefill_ctx([2500], [5]))
+    policy(prefill_ctx([2600], [5]))  # still 3 replicas by prompt tokens: no new line
+    assert len(decisions) == 1
+    line = decisions[0]
+    assert line.startswith("slimserve autoscaling: PrefillServer (slimserve) wants 3 replicas")
+    assert "raw 2.500" in line and "by prefill_tokens [PrefillTokenPolicy]" in line
+    assert "prefill_tokens=2500" in line and "prefill_tokens_demand=2500" in line
+    assert "bounds 1..16" in line
+    policy(prefill_ctx([4200], [5]))
+    assert len(decisions) == 2 and "wants 5 replicas" in decisions[1]
+
+
+def test_the_basis_of_a_decision_is_named(decisions):
+    fallback = context(None, 2, total_requests=8, target_ongoing_requests=2)
+    decode = DecodeKVPolicy(target_kv_usage=0.5, target_running_per_replica=1000)
+    decode(fallback)
+    decode(decode_ctx([0.9, 0.7], [4, 4], [0, 0]))  # also 4 replicas, now by KV usage
+    assert len(decisions) == 2
+    assert "by request_count" in decisions[0] and "total_requests=8" in decisions[0]
+    assert "by kv_cache_usage [DecodeKVPolicy]" in decisions[1]
+    assert "decode_by_kv=3.2" in decisions[1]
+    decode(decode_ctx([0.1, 0.1], [900, 900], [300, 0]))
+    assert "wants 3 replicas" in decisions[2] and "by sequences" in decisions[2]

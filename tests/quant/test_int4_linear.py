@@ -84,6 +84,29 @@ def test_cuda_path_arguments_run_the_triton_kernel():
     torch.testing.assert_close(y, x @ qw.dequantize().T, atol=1e-3, rtol=1e-4)
 
 
+@pytest.mark.triton
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_kernel_weight_is_a_view_and_runs_the_kn_kernel(symmetric):
+    # The K-major weight Int4Linear hands slimserve_kernels.int4_gemm_kn on CUDA, run by the
+    # Triton interpreter here: views of the (now column-major) parameters, the same values.
+    import slimserve_kernels
+
+    torch.manual_seed(0)
+    lin = Int4Linear(128, 24, 64, symmetric, params_dtype=torch.float32)
+    lin.set_weight(quantize_rtn(torch.randn(24, 128), 64, symmetric))
+    x = torch.randn(3, 128)
+    before = lin(x)  # the CPU path, canonical row-major parameters
+    w = lin.kernel_weight()
+    assert w.qweight_t.data_ptr() == lin.qweight.data_ptr() and lin.kernel_weight() is w
+    assert w.scales_t.data_ptr() == lin.scales.data_ptr()
+    y = slimserve_kernels.triton_int4_gemm_kn(x, w)
+    torch.testing.assert_close(y, x @ lin.dequantized_weight().T, atol=1e-4, rtol=1e-4)
+    lin._cpu = {}
+    torch.testing.assert_close(lin(x), before)  # the CPU pack from column-major parameters
+    lin.set_weight(quantize_rtn(torch.randn(24, 128), 64, symmetric))
+    assert "kn" not in lin._gpu  # new weights: the layout is made again
+
+
 def test_quantize_model_replaces_linears_and_keeps_tp_roles():
     torch.manual_seed(0)
     model = torch.nn.Module()
