@@ -100,7 +100,7 @@ def test_hostile_peers_on_every_internal_port_run_nothing_and_harm_nothing(
         struct.pack("!I", len(gadget)) + gadget,
         os.urandom(16) + struct.pack("!I", len(gadget)) + gadget,
     ]
-    with cli_server(args, "haproxy") as server:
+    with cli_server(args, "haproxy", dashboard=True) as server:  # as `make serve` runs
         api_ports = {int(server.url.rsplit(":", 1)[1]), server.grpc_port}
         tree = {p.pid for p in psutil.Process(server.pid).children(recursive=True)}
         ports = {p: n for p, n in listening_ports(server.pid).items() if p not in api_ports}

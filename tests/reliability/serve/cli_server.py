@@ -77,7 +77,7 @@ def _env(tmp: str) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def cli_server(args: dict, proxy: str) -> Iterator[CliServer]:
+def cli_server(args: dict, proxy: str, dashboard: bool = False) -> Iterator[CliServer]:
     """`slimserve serve --config <args> --proxy <proxy>` on free ports; stopped (SIGTERM,
     as Ctrl-C would) after, with every process of its tree gone."""
     tmp = tempfile.mkdtemp(prefix="slimserve-cli-")
@@ -87,6 +87,8 @@ def cli_server(args: dict, proxy: str) -> Iterator[CliServer]:
         yaml.safe_dump({"applications": [{"args": args}]}, f)
     cmd = [sys.executable, "-m", "app.cli", "serve", "--config", config, "--proxy", proxy]
     cmd += ["--port", str(http_port), "--grpc-port", str(grpc_port), "--num-cpus", "2"]
+    # the dashboard costs CPU and fixed agent ports: only the tests that look at it start it
+    cmd += ["--dashboard-port", str(free_port())] if dashboard else ["--no-dashboard"]
     log_path = os.path.join(tmp, "serve.log")
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
