@@ -65,7 +65,8 @@ class PagedAttention:
                 bs = self.cache.spec.block_size
                 starts = None if m.is_decode else m.query_start_loc
                 args = (m.block_tables, m.seq_lens, m.slot_mapping, bs, starts)
-                self.decode_ctx = self.ops.prepare_decode(*args) or _NO_CONTEXT
+                fp8 = kc.dtype == torch.float8_e4m3fn  # the C++ kernel takes its long prefills
+                self.decode_ctx = self.ops.prepare_decode(*args, fp8_cache=fp8) or _NO_CONTEXT
             if self.decode_ctx is not _NO_CONTEXT:
                 return self.ops.decode_layer(self.decode_ctx, q, k, v, kc, vc, ks, vs, self.scale)
         self.ops.kv_write(k, v, kc, vc, ks, vs, m.slot_mapping)

@@ -85,6 +85,11 @@ MAX_BATCHED_QUERY = 17
 # 5.7 vs 11.7 ms per layer float32, vs 17.4 FP8); at 256 the reference's GEMMs were ahead
 # for a float32 cache (8.3 vs 10.7 ms, batch 4).
 KERNEL_MAX_QUERY = 128
+# An FP8 cache: the kernel takes prefills of any length. It decodes FP8 in place where the
+# reference gathers, dequantizes and materializes [H, Sq, Sk] scores per sequence; one
+# prompt's whole prefill on one thread (docs/long_prompts.md): 200 tokens 18.4 vs 20.7 ms,
+# 600 tokens 77 vs 97 ms, 1,000 tokens 132 vs 199 ms.
+KERNEL_MAX_QUERY_FP8: int | None = None  # None: no limit
 
 
 @dataclass(slots=True)
@@ -117,15 +122,20 @@ class DecodeContext:
 
 
 def prepare_decode(
-    block_tables, seq_lens, slot_mapping, block_size: int, query_start_loc=None
+    block_tables,
+    seq_lens,
+    slot_mapping,
+    block_size: int,
+    query_start_loc=None,
+    fp8_cache: bool = False,
 ) -> DecodeContext | None:
     """query_start_loc None: a decode (one new token per sequence). Else [B + 1] rows of a
     step with several new tokens per sequence; None back if one is longer than
-    KERNEL_MAX_QUERY with the C++ kernel, MAX_BATCHED_QUERY without (the caller then uses
-    the per-sequence reference)."""
+    KERNEL_MAX_QUERY (KERNEL_MAX_QUERY_FP8 for an FP8 cache) with the C++ kernel,
+    MAX_BATCHED_QUERY without (the caller then uses the per-sequence reference)."""
     longest = 1 if query_start_loc is None else _longest_query(query_start_loc)
     on_cpu = block_tables.device.type == "cpu"
-    if on_cpu and longest <= KERNEL_MAX_QUERY and cpu_paged.available():
+    if on_cpu and _kernel_takes(longest, fp8_cache) and cpu_paged.available():
         return _kernel_context(block_tables, seq_lens, slot_mapping, query_start_loc)
     if longest > MAX_BATCHED_QUERY:
         return None
@@ -149,6 +159,11 @@ def prepare_decode(
     key = torch.arange(width, device=lens.device)
     pad = key.view(1, 1, -1) > pos.unsqueeze(-1)  # [B, Q, S]
     return _context(block_tables, pad, slot_mapping, query_rows, q_len)
+
+
+def _kernel_takes(longest: int, fp8_cache: bool) -> bool:
+    limit = KERNEL_MAX_QUERY_FP8 if fp8_cache else KERNEL_MAX_QUERY
+    return limit is None or longest <= limit
 
 
 def _longest_query(query_start_loc) -> int:

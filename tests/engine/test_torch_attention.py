@@ -126,10 +126,40 @@ def test_short_extend_matches_reference_prefill(dtype, step_path):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+def test_long_fp8_prefill_runs_the_kernel_and_matches_reference():
+    """A long chunked prefill over an FP8 cache (300 new tokens after 200 cached, and a
+    whole 260-token prompt beside it) goes to the C++ kernel, not the reference, and
+    returns the reference's causal prefill. Seen failing with KERNEL_MAX_QUERY_FP8 = 128
+    (no kernel context) and with the kernel given no query_start_loc (no causal rows)."""
+    if not cpu_paged.available():
+        pytest.skip("the C++ CPU kernel did not build here")
+    torch.manual_seed(3)
+    nb, bs, hkv, hq, d = 64, 16, 2, 4, 16
+    old = torch.randn(nb * bs, hkv, d) * 2
+    caches = twin_caches(torch.float8_e4m3fn, nb, bs, old, old * 0.5)
+    tables = torch.stack([torch.arange(32), torch.arange(32, 64)]).int()
+    lens = torch.tensor([500, 260], dtype=torch.int32)
+    n_new = [300, 260]
+    starts = torch.tensor([0, 300, 560], dtype=torch.int32)
+    slots = []
+    for table, n, length in zip(tables.tolist(), n_new, lens.tolist()):
+        slots += [table[p // bs] * bs + p % bs for p in range(length - n, length)]
+    slots = torch.tensor(slots)
+    t = len(slots)
+    q, k, v = torch.randn(t, hq, d), torch.randn(t, hkv, d), torch.randn(t, hkv, d)
+    reference.kv_write(k, v, *caches[0], slots)
+    want = reference.paged_prefill_attention(q, *caches[0], tables, starts, lens, d**-0.5)
+    assert torch_attention.prepare_decode(tables, lens, slots, bs, starts) is None  # 32-bit
+    ctx = torch_attention.prepare_decode(tables, lens, slots, bs, starts, fp8_cache=True)
+    assert ctx is not None and ctx.kernel is not None
+    got = torch_attention.decode_layer(ctx, q, k, v, *caches[1], d**-0.5)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
 def test_long_extend_declines_batched_path(step_path):
     """A query longer than the batched path takes (MAX_BATCHED_QUERY rows for the padded
-    torch path, KERNEL_MAX_QUERY for the C++ kernel: a long prefill) is left to the
-    reference; one row shorter is not."""
+    torch path, KERNEL_MAX_QUERY for the C++ kernel with a 16/32-bit cache: a long
+    prefill) is left to the reference; one row shorter is not."""
     limit = {"torch": torch_attention.MAX_BATCHED_QUERY, "kernel": torch_attention.KERNEL_MAX_QUERY}
     n = limit[step_path] + 1
     tables = torch.arange(2 * (n // 4 + 2), dtype=torch.int32).view(2, -1)
