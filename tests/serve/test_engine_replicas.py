@@ -39,6 +39,7 @@ def _server(cls, engine: EndlessEngine):
     server.args = SimpleNamespace(stream_interval_s=0.0)
     server.host = SimpleNamespace(
         inflight_tokens=0,
+        local_prefill_tokens=0,
         async_engine=engine,
         metrics=SimpleNamespace(timed=_passthrough),
         fetch=lambda chunks, prompt, **kw: _fetched(),
