@@ -21,7 +21,8 @@ down at most ``max_itl_slowdown``x:
 Rules, in order: no prefill replica -> local; the decode replica cannot hold the prompt ->
 remote; a prompt of at most ``short_prompt_tokens`` (it fills no KV chunk, so nothing to
 share) -> local; batch or ITL cap reached -> remote; else local only if clearly faster,
-``local * (1 + local_margin) < remote``. The margin keeps small load swings from flipping
+``local * (1 + local_margin) + local_min_gain_s < remote``. The margins keep small load
+swings (and the ingress's own placements not yet reported done) from flipping
 placements; at equal estimates remote wins, as its chunks reach the store for every replica.
 The function is pure: the same inputs give the same answer. The loads must include what the
 caller placed since the replicas last reported (as TokenAwareRouter does with ``_sent``),
@@ -98,11 +99,15 @@ class PlacementConfig:
     handoff_s: float = 0.0  # fixed cost of a remote prefill's hand-off
     handoff_s_per_token: float = 0.0  # KV transfer + import per prompt token
     local_margin: float = 0.2  # local must beat remote by this fraction
+    # ... and by this much: a short remote queue (a few requests' worth, or the ingress's own
+    # placements between two load reports) is no reason to prefill beside running decodes
+    local_min_gain_s: float = 0.05
 
     def __post_init__(self):
         assert self.short_prompt_tokens >= 0 and self.fallback_prefill_rate > 0, self
         assert self.step_prefill_tokens > 0 and self.kv_headroom_tokens >= 0, self
         assert min(self.handoff_s, self.handoff_s_per_token, self.local_margin) >= 0, self
+        assert self.local_min_gain_s >= 0, self
 
     def rate(self, measured: float | None) -> float:
         return measured if measured is not None and measured > 0 else self.fallback_prefill_rate
@@ -169,7 +174,7 @@ def place_prefill(
         prefill_s = min(config.step_prefill_tokens / config.rate(decode.prefill_rate), local)
         if (step + prefill_s) / step > config.max_itl_slowdown:
             return placed("remote", DECODE_ITL_CAP)
-    if local * (1 + config.local_margin) < remote:
+    if local * (1 + config.local_margin) + config.local_min_gain_s < remote:
         return placed("local", LOCAL_FASTER)
     return placed("remote", REMOTE_DEFAULT)
 

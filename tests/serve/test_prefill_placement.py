@@ -173,3 +173,16 @@ def test_prefill_demand_counts_what_may_go_remote():
     assert prefill_demand_tokens(PromptLoad(255), CONFIG) == 0
     assert prefill_demand_tokens(PromptLoad(600), CONFIG) == 600
     assert prefill_demand_tokens(PromptLoad(600, cached_remote_tokens=512), CONFIG) == 88
+
+
+def test_a_short_remote_queue_is_no_reason_to_prefill_locally():
+    """A few hundred queued tokens (or the ingress's own placements not yet reported done)
+    are milliseconds: the prompt still goes remote, where its chunks reach the store. Seen
+    failing (local) with the relative margin alone (the served test of a 70-token prompt
+    behind its predecessor's unreported 70 tokens went local)."""
+    config = PlacementConfig(short_prompt_tokens=255)
+    prompt, idle = PromptLoad(300), DecodeLoad(free_kv_tokens=100_000, num_running=0)
+    short_queue = PrefillLoad(queued_tokens=200, num_replicas=1)  # both at the fallback rate
+    assert place_prefill(prompt, short_queue, idle, config).where == "remote"
+    long_queue = PrefillLoad(queued_tokens=2000, num_replicas=1)
+    assert place_prefill(prompt, long_queue, idle, config).where == "local"
