@@ -90,6 +90,9 @@ class DecisionReport:
     ) -> None:
         tags = {"application": ctx.app_name, "deployment": ctx.deployment_name}
         self.desired_gauge.set(float(desired), tags=tags)
+        # Serve's own count of the requests running on the replicas (every engine call is a
+        # Serve handle call), per replica: what an operator compares with the engines'
+        inputs = {**inputs, "serve_running_requests_per_replica": serve_running_per_replica(ctx)}
         for name, value in inputs.items():
             self.input_gauge.set(float(value), tags={**tags, "input": name})
         key = (math.ceil(desired), basis)
@@ -97,6 +100,10 @@ class DecisionReport:
             return
         self.last = key
         logger.info(decision_line(ctx, self.policy, desired, basis, inputs))
+
+
+def serve_running_per_replica(ctx: AutoscalingContext) -> float:
+    return float(ctx.total_running_requests) / max(1, len(ctx.running_replicas))
 
 
 def decision_line(
