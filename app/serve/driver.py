@@ -25,12 +25,17 @@ from app.kvstore.handoff import HandOffs
 from app.serve.call_deltas import ChoiceCall, inbox_call, stream_call
 from app.serve.delta_inbox import DeltaInbox
 from app.serve.load_view import LoadView
-from app.serve.messages import DecodeRequest, GenerateRequest, HandOff, PrefillResult
+from app.serve.messages import (
+    DONE_REASONS,
+    DecodeRequest,
+    GenerateRequest,
+    HandOff,
+    PrefillResult,
+)
 from app.serve.metrics import ReplicaMetrics
 from app.serve.normalize import EngineInfo, NormalizedRequest
 from app.serve.prefill_placement import PlacementConfig, PromptLoad, place_prefill
 from app.serve.responses import (
-    DONE_REASONS,
     Admission,
     AdmissionTicket,
     ChoiceStream,

@@ -10,6 +10,9 @@ from app.engine.sampling_params import SamplingParams
 from app.kv.keys import chain_keys, make_salt
 from app.kvstore.store import StoredChunk
 
+# Finish reasons that end a choice; a prefill's first delta has none (decode follows).
+DONE_REASONS = ("stop", "length", "abort")
+
 
 @dataclass(frozen=True, slots=True)
 class RoutingInfo:

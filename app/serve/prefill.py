@@ -19,9 +19,8 @@ from app.kv.chunk import KVChunk
 from app.kvstore.store import StoredChunk
 from app.kvstore.transfer import publish
 from app.serve.engine_replica import EngineReplica
-from app.serve.messages import GenerateRequest, HandOff, PrefillResult
+from app.serve.messages import DONE_REASONS, GenerateRequest, HandOff, PrefillResult
 from app.serve.replica import is_full
-from app.serve.responses import DONE_REASONS
 from app.serve.streaming import merge
 
 log = logging.getLogger(__name__)

@@ -14,6 +14,7 @@ from ray.serve.exceptions import BackPressureError
 from app.engine.request import OverloadedError, RequestDelta
 from app.engine.structured.tools import ToolChoice
 from app.kvstore.handoff import HandOffLost
+from app.serve.messages import DONE_REASONS
 from app.serve.openai_protocol import (
     APIError,
     chat_logprobs,
@@ -24,7 +25,6 @@ from app.serve.openai_protocol import (
 from app.serve.tool_calls import ToolCallStream, chat_message
 
 _END = object()
-DONE_REASONS = ("stop", "length", "abort")  # a prefill's first delta has none: decode follows
 
 
 async def choice_deltas(deltas: AsyncIterator[RequestDelta]) -> AsyncIterator[RequestDelta]:
