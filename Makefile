@@ -48,9 +48,9 @@ bench-peer: $(STAMP)
 	$(BIN)/python bench/vs_vllm.py
 	$(BIN)/python bench/serve_vs_vllm.py
 
-# gRPC code: protos/ -> app/serve/grpc_gen/ (checked in; tests/grpc fails if it drifts).
+# gRPC code: protos/ -> app/serve/grpc_api/grpc_gen/ (checked in; tests/grpc fails if it drifts).
 protos: $(STAMP)
-	$(BIN)/python app/serve/grpc_codegen.py .
+	$(BIN)/python app/serve/grpc_api/grpc_codegen.py .
 
 clean:
 	rm -rf $(VENV)

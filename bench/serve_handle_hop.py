@@ -38,7 +38,7 @@ def deployments():
     from ray.serve.config import RequestRouterConfig
 
     router = RequestRouterConfig(
-        request_router_class="app.serve.router:TokenAwareRouter",
+        request_router_class="app.serve.routing.router:TokenAwareRouter",
         request_router_kwargs={"role": "prefill"},
         request_routing_stats_period_s=0.2,
     )

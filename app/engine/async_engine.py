@@ -3,7 +3,7 @@
 add/abort calls from the event loop are queued and applied between steps, so the engine is
 only ever touched by one thread at a time. A step's deltas are handed to their requests'
 sinks synchronously, in one loop over the step's output: `run`'s callers see all of a
-step's deltas before the event loop runs anything else (app/serve/delta_outbox.py batches
+step's deltas before the event loop runs anything else (app/serve/channel/delta_outbox.py batches
 on that), `generate`'s consumers each wake up in turn.
 """
 

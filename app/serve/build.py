@@ -14,12 +14,12 @@ from ray.serve.config import RequestRouterConfig
 
 from app.kvstore.handoff import start_box
 from app.kvstore.store import create_store
-from app.serve.colocated import EngineServer
 from app.serve.config import ServeArgs
-from app.serve.decode import DecodeServer
 from app.serve.ingress import Ingress
-from app.serve.prefill import PrefillServer
-from app.serve.router import TokenAwareRouter
+from app.serve.replicas.colocated import EngineServer
+from app.serve.replicas.decode import DecodeServer
+from app.serve.replicas.prefill import PrefillServer
+from app.serve.routing.router import TokenAwareRouter
 
 
 def build_app(args: dict[str, Any] | ServeArgs) -> serve.Application:
@@ -64,7 +64,7 @@ def _tp_options(cfg: ServeArgs) -> dict[str, Any]:
     tp = cfg.engine.tensor_parallel_size
     if tp == 1:
         return {}
-    from app.serve.tp_workers import tp_bundles
+    from app.serve.replicas.tp_workers import tp_bundles
 
     bundles = tp_bundles(tp, cfg.replica_num_cpus, cfg.replica_num_gpus)
     return {"placement_group_bundles": bundles, "placement_group_strategy": "STRICT_PACK"}

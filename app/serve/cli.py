@@ -13,7 +13,7 @@ import time
 
 import yaml
 
-GRPC_SERVICERS = "app.serve.grpc_servicer.add_slimserve_grpc_servicers"
+GRPC_SERVICERS = "app.serve.grpc_api.grpc_servicer.add_slimserve_grpc_servicers"
 # Who answers on --port / --grpc-port (docs/serving.md "Proxy"): HAProxy forwarding to the
 # Ingress replicas' own HTTP and gRPC servers (Serve's direct ingress), or Serve's Python
 # proxy actor. Ray reads the switch at import in every process, so it is set before Ray starts.

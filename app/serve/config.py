@@ -100,7 +100,7 @@ class ServeArgs(BaseModel):
     store_capacity_bytes: int = Field(default=512 << 20, gt=0)
     store_shards: int = Field(default=1, ge=1)
     store_name: str = "slimserve-kvstore"
-    # Routing (app/serve/router.py documents the policy).
+    # Routing (app/serve/routing/router.py documents the policy).
     routing_stats_period_s: float = Field(default=0.5, gt=0)
     allow_routing_hints: bool = False  # honour x-slimserve-*-replica headers (tests, ops)
     # Tenancy: the cache salt comes from the operator, never from the request body.

@@ -22,9 +22,16 @@ from ray.serve.handle import DeploymentHandle
 
 from app.engine.request import RequestDelta
 from app.kvstore.handoff import HandOffs
-from app.serve.call_deltas import ChoiceCall, inbox_call, stream_call
-from app.serve.delta_inbox import DeltaInbox
-from app.serve.load_view import LoadView
+from app.serve.api.normalize import EngineInfo, NormalizedRequest
+from app.serve.api.responses import (
+    Admission,
+    AdmissionTicket,
+    ChoiceStream,
+    choice_deltas,
+)
+from app.serve.channel.call_deltas import ChoiceCall, inbox_call, stream_call
+from app.serve.channel.delta_inbox import DeltaInbox
+from app.serve.channel.serve_calls import assigned, serve_stream
 from app.serve.messages import (
     DONE_REASONS,
     DecodeRequest,
@@ -33,15 +40,8 @@ from app.serve.messages import (
     PrefillResult,
 )
 from app.serve.metrics import ReplicaMetrics
-from app.serve.normalize import EngineInfo, NormalizedRequest
-from app.serve.prefill_placement import PlacementConfig, PromptLoad, place_prefill
-from app.serve.responses import (
-    Admission,
-    AdmissionTicket,
-    ChoiceStream,
-    choice_deltas,
-)
-from app.serve.serve_calls import assigned, serve_stream
+from app.serve.routing.load_view import LoadView
+from app.serve.routing.prefill_placement import PlacementConfig, PromptLoad, place_prefill
 
 _PLACEMENTS = 1024  # placements kept for the debug view; streams never collect theirs
 
@@ -96,7 +96,7 @@ class RequestDriver:
         # (ServeArgs.local_prefill_max_tokens); 0: none does
         self.local_prefill_tokens = local_prefill_tokens
         # Disaggregated: the replicas' load and the policy that places each prefill by it
-        # (app/serve/prefill_placement.py); None: the prompt-length rule alone
+        # (app/serve/routing/prefill_placement.py); None: the prompt-length rule alone
         self.load_view, self.placement_config = load_view, placement_config
         self._info: EngineInfo | None = None
         self.placement: dict[str, dict[str, Any]] = {}  # engine request id -> where it ran
@@ -161,7 +161,7 @@ class RequestDriver:
     def _prefills_locally(self, gen: GenerateRequest) -> bool:
         """Whether the choice's decode replica prefills its prompt. A routing hint names a
         prefill replica, and a limit of 0 sends every prompt there. Otherwise the load-aware
-        policy decides (app/serve/prefill_placement.py): a short prompt (it fills no KV
+        policy decides (app/serve/routing/prefill_placement.py): a short prompt (it fills no KV
         chunk, so nothing for the store) prefills locally unless the decode replica cannot
         hold it, and a longer one too when its decode replica would give it its first token
         clearly sooner than the prefill replicas' queue; until the replicas have reported

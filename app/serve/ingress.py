@@ -15,19 +15,19 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException
 
 from app.kvstore.handoff import HandOffs
+from app.serve.api.http_input import parse_request, read_limited
+from app.serve.api.normalize import RequestNormalizer
+from app.serve.api.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest
+from app.serve.api.openapi_schema import json_operation
+from app.serve.api.responses import error_from_exception, final_body, sse_chunks
+from app.serve.channel.delta_inbox import DeltaInbox
 from app.serve.config import ServeArgs
-from app.serve.delta_inbox import DeltaInbox
 from app.serve.driver import RequestDriver
-from app.serve.grpc_servicer import GrpcIngress
-from app.serve.http_input import parse_request, read_limited
-from app.serve.load_view import LoadView
+from app.serve.grpc_api.grpc_servicer import GrpcIngress
 from app.serve.metrics import ReplicaMetrics
-from app.serve.normalize import RequestNormalizer
-from app.serve.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest
-from app.serve.openapi_schema import json_operation
-from app.serve.prefill_placement import PlacementConfig
-from app.serve.replica import resolve_model
-from app.serve.responses import error_from_exception, final_body, sse_chunks
+from app.serve.replicas.replica import resolve_model
+from app.serve.routing.load_view import LoadView
+from app.serve.routing.prefill_placement import PlacementConfig
 from app.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ async def _validation_error(request: HTTPRequest, exc: RequestValidationError) -
 
 @serve.deployment(name="Ingress")
 @serve.ingress(api)
-class Ingress(GrpcIngress):  # gRPC adapter: app/serve/grpc_servicer.py
+class Ingress(GrpcIngress):  # gRPC adapter: app/serve/grpc_api/grpc_servicer.py
     """The HTTP adapter: JSON -> request model -> `RequestNormalizer` -> `RequestDriver`."""
 
     async def __init__(

@@ -16,7 +16,7 @@ DONE_REASONS = ("stop", "length", "abort")
 
 @dataclass(frozen=True, slots=True)
 class RoutingInfo:
-    """What the token-aware router reads off a request (app/serve/router.py)."""
+    """What the token-aware router reads off a request (app/serve/routing/router.py)."""
 
     num_tokens: int  # prompt tokens this request will make its replica compute or hold
     chunk_keys: tuple[int, ...] = ()  # short (8-byte) forms of the prompt's chunk keys

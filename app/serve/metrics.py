@@ -78,7 +78,7 @@ SPECS: dict[str, MetricSpec] = {
     "slimserve:preemptions": MetricSpec("counter", "Sequences preempted for lack of KV blocks."),
     "slimserve:prefill_placements": MetricSpec(
         "counter",
-        "Prefill placement decisions (app/serve/prefill_placement.py), by where and why.",
+        "Prefill placement decisions (app/serve/routing/prefill_placement.py), by where and why.",
         tags=("where", "reason"),
     ),
     "slimserve:prefill_queue_tokens": MetricSpec(

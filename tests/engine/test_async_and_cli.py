@@ -132,7 +132,7 @@ def test_cli_reports_bad_model_path(tmp_path):
 
 def test_light_modules_do_not_import_torch():
     """Serve's gRPC proxy imports the servicer; it must not drag torch and the engine in."""
-    code = "import sys, app.serve.grpc_servicer; print('torch' in sys.modules)"
+    code = "import sys, app.serve.grpc_api.grpc_servicer; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"

@@ -113,7 +113,7 @@ def _text(deltas) -> str:
 
 
 def _disaggregated(prefill: Engine, decode: Engine, rid: str, prompt, params: SamplingParams):
-    """As app/serve/prefill.py and decode.py hand a request over: the decode replica's
+    """As app/serve/replicas/prefill.py and decode.py hand a request over: the decode replica's
     prompt ends with the first token, which it is told was an output (prior_output_ids)."""
     first, done = run(prefill, Request(rid + "-p", prompt, params, prefill_only=True))
     if done.finish_reason is not None:

@@ -7,7 +7,7 @@ import grpc
 import pytest
 from grpc_app import wait_until_idle as wait_idle
 
-from app.serve.grpc_gen.slimserve.v1 import generation_pb2 as pb
+from app.serve.grpc_api.grpc_gen.slimserve.v1 import generation_pb2 as pb
 
 APP = "slimserve-grpc"
 PROMPT = "the quick brown fox jumps over the lazy dog " * 3

@@ -11,7 +11,7 @@ from grpc_app import grpc_app
 from serve.apps import tiny_serve_args
 
 from app import LLM
-from app.serve.grpc_gen.slimserve.v1 import generation_pb2_grpc
+from app.serve.grpc_api.grpc_gen.slimserve.v1 import generation_pb2_grpc
 
 
 @pytest.fixture(scope="module")

@@ -13,10 +13,10 @@ import time
 import grpc
 from serve_stop import stop_serve
 
-from app.serve.grpc_gen.slimserve.v1 import generation_pb2 as pb
-from app.serve.grpc_gen.slimserve.v1 import generation_pb2_grpc
+from app.serve.grpc_api.grpc_gen.slimserve.v1 import generation_pb2 as pb
+from app.serve.grpc_api.grpc_gen.slimserve.v1 import generation_pb2_grpc
 
-SERVICER = "app.serve.grpc_servicer.add_slimserve_grpc_servicers"
+SERVICER = "app.serve.grpc_api.grpc_servicer.add_slimserve_grpc_servicers"
 
 
 def free_port() -> int:

@@ -12,8 +12,8 @@ import pytest
 from api_app import APP, KEY_A, LONG_CONTEXT, PROMPT, code_of, greedy, wait_until_idle
 
 from app import SamplingParams
-from app.serve.grpc_gen.grpc.health.v1 import health_pb2, health_pb2_grpc
-from app.serve.grpc_gen.slimserve.v1 import generation_pb2 as pb
+from app.serve.grpc_api.grpc_gen.grpc.health.v1 import health_pb2, health_pb2_grpc
+from app.serve.grpc_api.grpc_gen.slimserve.v1 import generation_pb2 as pb
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

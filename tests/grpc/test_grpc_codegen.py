@@ -5,7 +5,7 @@
 
 import os
 
-from app.serve.grpc_codegen import GEN_PACKAGE, generate, generated_files
+from app.serve.grpc_api.grpc_codegen import GEN_PACKAGE, generate, generated_files
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -31,7 +31,7 @@ def test_no_stale_generated_files():
 
 
 def test_generated_modules_import_from_the_app_package():
-    from app.serve.grpc_gen.slimserve.v1 import generation_pb2, generation_pb2_grpc
+    from app.serve.grpc_api.grpc_gen.slimserve.v1 import generation_pb2, generation_pb2_grpc
 
     service = generation_pb2.DESCRIPTOR.services_by_name["Generation"]
     assert service.full_name == "slimserve.v1.Generation"
@@ -50,7 +50,7 @@ def test_generated_modules_import_from_the_app_package():
 def test_enums_start_unspecified_and_every_message_reserves_the_fork_range():
     from google.protobuf import descriptor_pb2
 
-    from app.serve.grpc_gen.slimserve.v1 import generation_pb2 as pb
+    from app.serve.grpc_api.grpc_gen.slimserve.v1 import generation_pb2 as pb
 
     proto = descriptor_pb2.FileDescriptorProto()
     pb.DESCRIPTOR.CopyToProto(proto)

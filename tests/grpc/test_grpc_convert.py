@@ -6,7 +6,8 @@ from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from app.engine.request import OverloadedError, RequestDelta
-from app.serve.grpc_convert import (
+from app.serve.api.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest
+from app.serve.grpc_api.grpc_convert import (
     MalformedRequest,
     UsageCounter,
     call_timeout_s,
@@ -16,8 +17,7 @@ from app.serve.grpc_convert import (
     parsed,
     stream_message,
 )
-from app.serve.grpc_gen.slimserve.v1 import generation_pb2 as pb
-from app.serve.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest
+from app.serve.grpc_api.grpc_gen.slimserve.v1 import generation_pb2 as pb
 
 
 def test_unset_sampling_fields_take_the_http_defaults():

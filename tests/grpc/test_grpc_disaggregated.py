@@ -9,9 +9,9 @@ from reliability.serve.clients import idle_after_grpc_cancel
 from serve.apps import tiny_serve_args
 
 from app import LLM, SamplingParams
-from app.serve.grpc_gen.grpc.health.v1 import health_pb2, health_pb2_grpc
-from app.serve.grpc_gen.slimserve.v1 import generation_pb2 as pb
-from app.serve.grpc_gen.slimserve.v1 import generation_pb2_grpc
+from app.serve.grpc_api.grpc_gen.grpc.health.v1 import health_pb2, health_pb2_grpc
+from app.serve.grpc_api.grpc_gen.slimserve.v1 import generation_pb2 as pb
+from app.serve.grpc_api.grpc_gen.slimserve.v1 import generation_pb2_grpc
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

@@ -27,7 +27,7 @@ from api_app import (
 from reliability.serve.clients import idle_after_grpc_cancel
 
 from app import SamplingParams
-from app.serve.grpc_gen.slimserve.v1 import generation_pb2 as pb
+from app.serve.grpc_api.grpc_gen.slimserve.v1 import generation_pb2 as pb
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

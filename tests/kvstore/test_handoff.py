@@ -181,7 +181,7 @@ def test_a_take_fails_retriably_at_once_when_the_box_is_lost(ray_session):
     """A box that dies takes its values with it: the waiting take fails with `HandOffLost`
     (HTTP 503) at once instead of waiting out TAKE_WITHIN_S in a new, empty box. Seen
     failing (still waiting after 10 s) with the take retried in the replacement."""
-    from app.serve.responses import error_from_exception
+    from app.serve.api.responses import error_from_exception
 
     hand_offs = HandOffs("slimserve-handoff-lost-test")
 

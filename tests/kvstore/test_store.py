@@ -242,7 +242,7 @@ def test_a_chunk_handed_over_in_band_is_verified_like_a_stored_one(client):
     prefill replica's `in_transit`): the reader verifies it as any fetched chunk, and a
     flipped byte is an integrity failure. Seen failing (a fetch failure: TypeError, an array
     is not awaitable) with `_get` awaiting every ref."""
-    from app.serve.prefill import INLINE_BYTES, in_transit
+    from app.serve.replicas.prefill import INLINE_BYTES, in_transit
 
     chunks = make_chunks()
     stored = run(publish(client, chunks[:2]))
@@ -261,7 +261,7 @@ def test_a_chunk_handed_over_in_band_is_verified_like_a_stored_one(client):
 def test_a_large_partial_chunk_goes_in_the_object_store(ray_session, monkeypatch):
     """Above INLINE_BYTES (Ray would put a call argument that large in the object store
     anyway) the partial chunk is put by its producer and read through the ref."""
-    import app.serve.prefill as prefill
+    import app.serve.replicas.prefill as prefill
 
     monkeypatch.setattr(prefill, "INLINE_BYTES", 16)
     handed = prefill.in_transit(make_chunks()[2])
@@ -274,7 +274,7 @@ def test_only_a_chunk_that_is_put_takes_a_worker_thread(ray_session, monkeypatch
     goes on meanwhile) and hands a small one over on the loop itself (it costs nothing).
     Seen failing (hops == 1 for the small chunk) with every call going through
     asyncio.to_thread."""
-    import app.serve.prefill as prefill
+    import app.serve.replicas.prefill as prefill
 
     hops = []
 

@@ -1,4 +1,4 @@
-"""The custom autoscaling policies (app/serve/autoscaling.py) on hand-made contexts."""
+"""The custom autoscaling policies (app/serve/routing/autoscaling.py) on hand-made contexts."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from ray.serve._private.common import DeploymentID, ReplicaID
 from ray.serve.autoscaling_policy import _apply_autoscaling_config
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
-from app.serve.autoscaling import (
+from app.serve.routing.autoscaling import (
     KV_CACHE_USAGE,
     NUM_REQUESTS,
     NUM_RUNNING,

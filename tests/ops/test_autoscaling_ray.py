@@ -40,9 +40,9 @@ def autoscaled(policy: str, kwargs: dict, **bounds) -> dict:
 def config(model: str) -> dict:
     args = tiny_serve_args(model, store_name=STORE)
     prefill = autoscaled(
-        "app.serve.autoscaling:PrefillTokenPolicy", {"target_tokens_per_replica": 64}
+        "app.serve.routing.autoscaling:PrefillTokenPolicy", {"target_tokens_per_replica": 64}
     )
-    decode = autoscaled("app.serve.autoscaling:DecodeKVPolicy", {"target_kv_usage": 0.9})
+    decode = autoscaled("app.serve.routing.autoscaling:DecodeKVPolicy", {"target_kv_usage": 0.9})
     return {
         "http_options": {"host": "127.0.0.1", "port": PORT},
         "applications": [

@@ -2,7 +2,7 @@
 handle call (docs/serving.md "Transport"), so the running requests per replica that the
 autoscaler's context reports agree with the engine's own count. The policies export that
 view each tick (`slimserve_autoscaling_input{input="serve_running_requests_per_replica"}`,
-app/serve/autoscaling.py); this test scrapes it from Ray's Prometheus endpoint while four
+app/serve/routing/autoscaling.py); this test scrapes it from Ray's Prometheus endpoint while four
 times the decode replica's `max_ongoing_requests` stream at once."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ ENGINE_GAUGES = ("ray_slimserve_num_requests_running", "ray_slimserve_num_reques
 
 def config(model: str) -> dict:
     args = tiny_serve_args(model, store_name=STORE, max_queued_requests=-1)
-    decode = autoscaled("app.serve.autoscaling:DecodeKVPolicy", {}, max_replicas=1)
+    decode = autoscaled("app.serve.routing.autoscaling:DecodeKVPolicy", {}, max_replicas=1)
     decode["max_ongoing_requests"] = ONGOING
     return {
         "applications": [

@@ -11,7 +11,7 @@ import pytest
 from pydantic import ValidationError
 from ray.serve.schema import ServeDeploySchema
 
-from app.serve.autoscaling import DecodeKVPolicy, PrefillTokenPolicy
+from app.serve.routing.autoscaling import DecodeKVPolicy, PrefillTokenPolicy
 from tests.ops.serve_config import all_problems, deployment_infos, load, unknown_keys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -69,7 +69,7 @@ def config(model: str) -> dict:
             "aggregation_function": "max",
             "target_ongoing_requests": 100,  # the request-count fallback never scales here
             "policy": {
-                "policy_function": "app.serve.autoscaling:PrefillTokenPolicy",
+                "policy_function": "app.serve.routing.autoscaling:PrefillTokenPolicy",
                 "policy_kwargs": {"target_tokens_per_replica": 64},
             },
         },
@@ -160,7 +160,7 @@ def test_serve_page_shows_every_deployment_with_its_replicas(server, page):
     config = page.wait_for(f"{DIALOG_TEXT}.includes('max_replicas') && {DIALOG_TEXT}", 30, "config")
     for key, value in (("min_replicas", 1), ("max_replicas", 2)):
         assert re.search(rf"{key}\W+{value}\b", config), config
-    assert "app.serve.autoscaling:PrefillTokenPolicy" in config, config
+    assert "app.serve.routing.autoscaling:PrefillTokenPolicy" in config, config
 
     page.goto(server.dashboard_root + "/#/actors")
     for actor in ("slimserve-kvstore-0", "slimserve-kvstore-handoff"):

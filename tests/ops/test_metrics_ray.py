@@ -67,7 +67,7 @@ def series(samples, name: str) -> list[dict]:
 def kv_block_bytes(model: str) -> int:
     from app.engine.engine import Engine
     from app.serve.config import EngineArgs
-    from app.serve.replica import engine_config
+    from app.serve.replicas.replica import engine_config
 
     args = EngineArgs(model=model, dtype="float32", kv_cache_memory_bytes=1 << 20)
     return Engine(engine_config(args)).kv_spec.bytes_per_block()
@@ -79,7 +79,7 @@ def corrupt_first_chunk(prompt: list[int]) -> None:
     from ray import serve
 
     from app.kvstore.store import KVStoreClient
-    from app.serve.replica import prompt_chunk_keys
+    from app.serve.replicas.replica import prompt_chunk_keys
 
     info = serve.get_deployment_handle("PrefillServer", "slimserve").describe.remote().result()
     keys = prompt_chunk_keys(prompt, info["salt_base"], None, 16, info["chunk_tokens"])

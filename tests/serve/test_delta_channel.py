@@ -12,11 +12,11 @@ import pytest
 from app.engine.async_engine import AsyncEngine
 from app.engine.request import Request, RequestDelta, TokenLogprob
 from app.engine.sampling_params import SamplingParams
-from app.serve import delta_codec
-from app.serve.delta_codec import decode_deltas, deltas_frames, pack_delta
-from app.serve.delta_inbox import DeltaInbox
-from app.serve.delta_outbox import DeltaOutbox, stream_to
-from app.serve.delta_wire import DeltaChannelError, ReplyTo
+from app.serve.channel import delta_codec
+from app.serve.channel.delta_codec import decode_deltas, deltas_frames, pack_delta
+from app.serve.channel.delta_inbox import DeltaInbox
+from app.serve.channel.delta_outbox import DeltaOutbox, stream_to
+from app.serve.channel.delta_wire import DeltaChannelError, ReplyTo
 
 
 class StepEngine:

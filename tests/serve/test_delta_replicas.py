@@ -9,11 +9,11 @@ from types import SimpleNamespace
 from app.engine.async_engine import AsyncEngine
 from app.engine.request import RequestDelta
 from app.engine.sampling_params import SamplingParams
-from app.serve.colocated import EngineServer
-from app.serve.decode import DecodeServer
-from app.serve.delta_inbox import DeltaInbox
-from app.serve.delta_outbox import DeltaOutbox
+from app.serve.channel.delta_inbox import DeltaInbox
+from app.serve.channel.delta_outbox import DeltaOutbox
 from app.serve.messages import DecodeRequest, GenerateRequest, HandOff, PrefillResult
+from app.serve.replicas.colocated import EngineServer
+from app.serve.replicas.decode import DecodeServer
 from app.serve.streaming import merge
 from serve.step_engine import StepEngine
 

@@ -15,12 +15,18 @@ import subprocess
 import pytest
 
 from app.engine.request import RequestDelta
-from app.serve import delta_auth
-from app.serve.delta_auth import answer_ingress, challenge_replica, tls_contexts
-from app.serve.delta_codec import pack_delta
-from app.serve.delta_inbox import DeltaInbox
-from app.serve.delta_outbox import DeltaOutbox, stream_to
-from app.serve.delta_wire import ChannelLimits, DeltaChannelError, ReplyTo, frame_of, pack_frame
+from app.serve.channel import delta_auth
+from app.serve.channel.delta_auth import answer_ingress, challenge_replica, tls_contexts
+from app.serve.channel.delta_codec import pack_delta
+from app.serve.channel.delta_inbox import DeltaInbox
+from app.serve.channel.delta_outbox import DeltaOutbox, stream_to
+from app.serve.channel.delta_wire import (
+    ChannelLimits,
+    DeltaChannelError,
+    ReplyTo,
+    frame_of,
+    pack_frame,
+)
 
 FAST = ChannelLimits(handshake_s=0.5, heartbeat_s=0.1, deadline_s=0.3)
 

@@ -17,7 +17,7 @@ from app.kvstore.handoff import WAIT_S, HandOffs
 from app.kvstore.store import KVStoreClient
 from app.kvstore.transfer import fetch_verified
 from app.serve.messages import DecodeRequest, GenerateRequest, HandOff, RoutingInfo
-from app.serve.replica import prompt_chunk_keys
+from app.serve.replicas.replica import prompt_chunk_keys
 from serve.apps import running_app, tiny_serve_args
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]

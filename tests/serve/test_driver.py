@@ -7,10 +7,10 @@ import asyncio
 
 from app.engine.request import RequestDelta
 from app.engine.sampling_params import SamplingParams
+from app.serve.api.normalize import NormalizedRequest
 from app.serve.driver import RequestDriver
 from app.serve.messages import DecodeRequest, HandOff, PrefillResult
 from app.serve.metrics import ReplicaMetrics
-from app.serve.normalize import NormalizedRequest
 
 DESCRIBE = {
     "max_model_len": 128, "vocab_size": 100, "eos_token_ids": [2], "salt_base": ["m", "a", "b"],

@@ -11,10 +11,10 @@ import pytest
 from ray.serve.exceptions import BackPressureError
 
 from app.engine.sampling_params import SamplingParams
+from app.serve.api.normalize import NormalizedRequest
 from app.serve.driver import RequestDriver
 from app.serve.messages import HandOff, PrefillResult
 from app.serve.metrics import ReplicaMetrics
-from app.serve.normalize import NormalizedRequest
 from serve.test_driver import DESCRIBE, _Method, delta
 
 

@@ -9,9 +9,9 @@ from types import SimpleNamespace
 
 from app.engine.request import RequestDelta
 from app.engine.sampling_params import SamplingParams
-from app.serve.colocated import EngineServer
-from app.serve.decode import DecodeServer
 from app.serve.messages import DecodeRequest, GenerateRequest, PrefillResult
+from app.serve.replicas.colocated import EngineServer
+from app.serve.replicas.decode import DecodeServer
 
 
 class EndlessEngine:

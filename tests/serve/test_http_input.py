@@ -9,14 +9,14 @@ import threading
 import pytest
 from pydantic import BaseModel, field_validator
 
-from app.serve.http_input import (
+from app.serve.api.http_input import (
     INLINE_BODY_BYTES,
     MAX_JSON_DEPTH,
     parse_body,
     parse_request,
     read_limited,
 )
-from app.serve.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest
+from app.serve.api.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest
 
 
 def error_of(raw: bytes, model_cls=CompletionRequest) -> APIError:

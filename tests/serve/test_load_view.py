@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from app.engine.sampling_params import SamplingParams
 from app.serve.driver import RequestDriver
-from app.serve.load_view import LoadView
 from app.serve.messages import GenerateRequest, RoutingInfo
 from app.serve.metrics import ReplicaMetrics
-from app.serve.prefill_placement import PlacementConfig
+from app.serve.routing.load_view import LoadView
+from app.serve.routing.prefill_placement import PlacementConfig
 from serve.test_driver import FakeBox, FakeHandle
 
 

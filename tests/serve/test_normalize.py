@@ -5,9 +5,9 @@ import threading
 
 import pytest
 
+from app.serve.api.normalize import INLINE_PROMPT_CHARS, EngineInfo, RequestNormalizer
+from app.serve.api.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest
 from app.serve.config import ServeArgs
-from app.serve.normalize import INLINE_PROMPT_CHARS, EngineInfo, RequestNormalizer
-from app.serve.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest
 from app.tokenizer import Tokenizer
 
 INFO = EngineInfo(

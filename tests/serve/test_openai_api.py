@@ -135,7 +135,7 @@ BAD = [
     (b'{"model": "tiny", "prompt": [1, 99999]}', 400, "token ids"),
     (b'{"model": "tiny", "prompt": "hi", "cache_salt": "x"}', 400, "operator"),
     (b'{"model": "gpt-4", "prompt": "hi"}', 404, "does not exist"),
-    # Seen as 500s before app/serve/http_input.py: RecursionError and TypeError.
+    # Seen as 500s before app/serve/api/http_input.py: RecursionError and TypeError.
     (b'{"model": "tiny", "prompt": "hi", "x": ' + b"[" * 1000 + b"]" * 1000 + b"}", 400, "nested"),
     (b'{"model": "tiny", "prompt": "hi \\ud800"}', 400, "lone surrogate"),
     (b'{"model": "tiny", "prompt": "hi", "repetition_penalty": 1e999}', 400, "repetition_penalty"),

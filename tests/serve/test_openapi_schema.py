@@ -1,4 +1,4 @@
-"""app/serve/openapi_schema.py: the OpenAI routes' bodies in /openapi.json (no cluster)."""
+"""app/serve/api/openapi_schema.py: the OpenAI routes' bodies in /openapi.json (no cluster)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import jsonschema
 import pytest
 from pydantic import BaseModel
 
-from app.serve.openai_protocol import ChatCompletionRequest, CompletionRequest
-from app.serve.openapi_schema import inline_refs
+from app.serve.api.openai_protocol import ChatCompletionRequest, CompletionRequest
+from app.serve.api.openapi_schema import inline_refs
 
 
 def test_the_served_schema_documents_both_bodies_without_dangling_refs():

@@ -14,8 +14,8 @@ import grpc
 import httpx
 import pytest
 
-from app.serve.grpc_gen.slimserve.v1 import generation_pb2 as pb
-from app.serve.grpc_gen.slimserve.v1 import generation_pb2_grpc
+from app.serve.grpc_api.grpc_gen.slimserve.v1 import generation_pb2 as pb
+from app.serve.grpc_api.grpc_gen.slimserve.v1 import generation_pb2_grpc
 from serve.apps import tiny_serve_args
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "grpc"))

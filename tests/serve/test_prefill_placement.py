@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from app.serve.prefill_placement import (
+from app.serve.routing.prefill_placement import (
     DECODE_BATCH_FULL,
     DECODE_ITL_CAP,
     DECODE_KV_FULL,

@@ -16,7 +16,7 @@ from app.engine.sampling_params import SamplingParams
 from app.kvstore.store import StoredChunk
 from app.serve.messages import GenerateRequest
 from app.serve.metrics import ReplicaMetrics
-from app.serve.prefill import PrefillServer
+from app.serve.replicas.prefill import PrefillServer
 from serve.step_engine import StepEngine
 from serve.test_delta_replicas import _server
 

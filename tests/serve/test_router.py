@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 from app.serve.messages import GenerateRequest, RoutingInfo
-from app.serve.router import TokenAwareRouter
+from app.serve.routing.router import TokenAwareRouter
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ import inspect
 import pytest
 from ray.serve.handle import DeploymentResponse, DeploymentResponseGenerator
 
-from app.serve.serve_calls import ASSIGNMENT_HOOK, assigned
+from app.serve.channel.serve_calls import ASSIGNMENT_HOOK, assigned
 
 
 def test_serve_responses_still_have_the_assignment_hook():

@@ -10,7 +10,7 @@ from app.config import CacheConfig, EngineConfig
 from app.engine.engine import Engine
 from app.engine.request import Request, RequestDelta
 from app.engine.sampling_params import SamplingParams
-from app.serve.engine_replica import warm_up
+from app.serve.replicas.engine_replica import warm_up
 from app.serve.streaming import coalesce, merge
 
 

@@ -66,7 +66,7 @@ def _stats(deployment: str) -> dict:
 
 def test_decode_replica_speculates_and_output_equals_plain_decoding(ray_session, llama_path):
     """Seen failing: with the replicas' engine config dropping speculative_config
-    (app/serve/replica.py), the decode stats had no spec counters (KeyError) although the
+    (app/serve/replicas/replica.py), the decode stats had no spec counters (KeyError) although the
     texts still matched."""
     want = _offline(llama_path)
     engine = {"dtype": "float32", "speculative_config": NGRAM}

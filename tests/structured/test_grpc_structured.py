@@ -14,8 +14,8 @@ import pytest
 from serve.apps import tiny_serve_args
 
 from app.assets import default_model_path
-from app.serve.grpc_gen.slimserve.v1 import generation_pb2 as pb
-from app.serve.grpc_gen.slimserve.v1 import generation_pb2_grpc
+from app.serve.grpc_api.grpc_gen.slimserve.v1 import generation_pb2 as pb
+from app.serve.grpc_api.grpc_gen.slimserve.v1 import generation_pb2_grpc
 from tests.grpc.grpc_app import grpc_app
 from tests.structured.schemas import PERSON, WEATHER_TOOL
 

@@ -1,5 +1,5 @@
 """Tool-call grammars (app/engine/structured/tools.py) and OpenAI-shaped tool_calls, whole
-and streamed (app/serve/tool_calls.py), without a model."""
+and streamed (app/serve/api/tool_calls.py), without a model."""
 
 import json
 
@@ -13,7 +13,7 @@ from app.engine.structured.tools import (
     parse_tools,
     tool_choice_spec,
 )
-from app.serve.tool_calls import ToolCallStream, chat_message
+from app.serve.api.tool_calls import ToolCallStream, chat_message
 from tests.structured.schemas import TIME_TOOL, WEATHER_TOOL
 
 TOOLS = parse_tools([WEATHER_TOOL, TIME_TOOL])

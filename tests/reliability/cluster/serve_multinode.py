@@ -27,14 +27,14 @@ from ray.util.state import list_actors
 
 from app.serve import build
 from app.serve.config import ServeArgs
-from app.serve.grpc_gen.slimserve.v1 import generation_pb2_grpc
+from app.serve.grpc_api.grpc_gen.slimserve.v1 import generation_pb2_grpc
 from reliability.cluster.runner import run_scenario
 from reliability.serve.apps import offline_texts, prompts, wait_until
 from reliability.serve.clients import grpc_stream, http_stream, run_all, tally, wait_idle
 
 APP, STORE = "rel-multinode-serve", "rel-multinode-serve-kv"
 STREAMS, TOKENS = 16, 160
-SERVICER = "app.serve.grpc_servicer.add_slimserve_grpc_servicers"
+SERVICER = "app.serve.grpc_api.grpc_servicer.add_slimserve_grpc_servicers"
 MD = (("application", APP),)
 
 

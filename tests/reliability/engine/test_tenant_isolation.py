@@ -9,7 +9,7 @@ import pytest
 
 from app import LLM, SamplingParams
 from app.kv.keys import make_salt
-from app.serve.replica import prompt_chunk_keys
+from app.serve.replicas.replica import prompt_chunk_keys
 
 PROMPT = list(range(10, 50))  # 40 tokens: two full blocks of 16 can be cached
 ONE = SamplingParams(temperature=0, max_tokens=1)

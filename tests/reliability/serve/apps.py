@@ -19,7 +19,7 @@ sys.path.insert(
 from grpc_app import grpc_app  # noqa: E402
 
 from app import LLM, SamplingParams
-from app.serve.grpc_gen.slimserve.v1 import generation_pb2_grpc
+from app.serve.grpc_api.grpc_gen.slimserve.v1 import generation_pb2_grpc
 
 
 def prompts(n: int, length: int = 40, seed: int = 0) -> list[list[int]]:

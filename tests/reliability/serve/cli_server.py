@@ -26,8 +26,8 @@ import httpx
 import psutil
 import yaml
 
-from app.serve.grpc_gen.slimserve.v1 import generation_pb2 as pb
-from app.serve.grpc_gen.slimserve.v1 import generation_pb2_grpc
+from app.serve.grpc_api.grpc_gen.slimserve.v1 import generation_pb2 as pb
+from app.serve.grpc_api.grpc_gen.slimserve.v1 import generation_pb2_grpc
 
 TESTS = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 READY_S, STOP_S = 300.0, 150.0

@@ -15,7 +15,7 @@ import grpc
 import httpx
 import pytest
 
-from app.serve.grpc_gen.slimserve.v1 import generation_pb2 as pb
+from app.serve.grpc_api.grpc_gen.slimserve.v1 import generation_pb2 as pb
 
 RETRIABLE_GRPC = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
 RETRIABLE_HTTP = {429, 503}

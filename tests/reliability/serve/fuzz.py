@@ -12,7 +12,7 @@ import math
 
 from hypothesis import strategies as st
 
-from app.serve.grpc_gen.slimserve.v1 import generation_pb2 as pb
+from app.serve.grpc_api.grpc_gen.slimserve.v1 import generation_pb2 as pb
 
 MAX_GEN = 4
 EDGE_FLOATS = [0.0, -0.0, 1e-300, 1e-45, 5e-324, -1e-300, 1e-7, 0.5, 1.0, 2.0, 2.0000001,

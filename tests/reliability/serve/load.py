@@ -12,7 +12,7 @@ import grpc
 import httpx
 import psutil
 
-from app.serve.grpc_gen.slimserve.v1 import generation_pb2 as pb
+from app.serve.grpc_api.grpc_gen.slimserve.v1 import generation_pb2 as pb
 from reliability.serve.clients import Outcome, grpc_stream, http_stream, refused, run_all
 
 

@@ -1,6 +1,6 @@
 """schemathesis against a served app's own `/openapi.json` (docs/reliability.md, fuzz).
 
-The schema documents each OpenAI route's body (app/serve/openapi_schema.py), so schemathesis
+The schema documents each OpenAI route's body (app/serve/api/openapi_schema.py), so schemathesis
 generates bodies that fit it (positive) and bodies that break it (negative). Each answer must
 pass schemathesis's checks (no 5xx, a documented status and content type, error JSON of the
 documented shape, invalid bodies refused with a 4xx) and ours: a 4xx is OpenAI error JSON, a

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from app.serve.grpc_servicer import _next
+from app.serve.grpc_api.grpc_servicer import _next
 
 
 async def read_then_cancel() -> object:

@@ -13,7 +13,7 @@ import httpx
 import pytest
 from hypothesis import strategies as st
 
-from app.serve.grpc_gen.slimserve.v1 import generation_pb2 as pb
+from app.serve.grpc_api.grpc_gen.slimserve.v1 import generation_pb2 as pb
 from reliability.conftest import LONG_TOKENS
 from reliability.serve.apps import offline_texts, prompts, served_app
 from reliability.serve.clients import idle_after_grpc_cancel, run_all, wait_idle

@@ -17,8 +17,8 @@ import ray
 
 from app.kv.chunk import KVChunk
 from app.kvstore.store import KVStoreClient
-from app.serve.grpc_gen.slimserve.v1 import generation_pb2 as pb
-from app.serve.replica import prompt_chunk_keys
+from app.serve.grpc_api.grpc_gen.slimserve.v1 import generation_pb2 as pb
+from app.serve.replicas.replica import prompt_chunk_keys
 from reliability.conftest import LONG_TOKENS
 from reliability.serve.apps import kill_replica, offline_texts, prompts, served_app, wait_until
 from reliability.serve.clients import (

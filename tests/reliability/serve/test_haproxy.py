@@ -20,7 +20,7 @@ import openai
 import pytest
 from serve.apps import tiny_serve_args
 
-from app.serve.grpc_gen.slimserve.v1 import generation_pb2 as pb
+from app.serve.grpc_api.grpc_gen.slimserve.v1 import generation_pb2 as pb
 from reliability.conftest import LONG_TOKENS
 from reliability.serve.apps import offline_texts, prompts
 from reliability.serve.cli_server import cli_server

@@ -1,0 +1,94 @@
+"""The ingress's view of its prefill and decode replicas' load, for the prefill placement
+policy (app/serve/routing/prefill_placement.py): every ``period_s`` each deployment's replicas are
+asked for their `placement_load()` with Serve's `broadcast` (a public handle API), and
+what this ingress placed since is added on top, so a burst decided between two reports
+does not all land on one side.
+
+The prefill side is its least-loaded replica (where the token-aware router sends a prompt);
+the decode side is the decode replica with the most KV headroom (where the router sends
+the choice). Until the first report, the view says nothing is known and the policy falls
+back to the prompt-length rule.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+
+from ray.serve.handle import DeploymentHandle
+
+from app.serve.routing.prefill_placement import DecodeLoad, PrefillLoad
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaLoad:
+    """What one engine replica reports (`EngineHost.placement_load`)."""
+
+    queued_prefill_tokens: int  # prompt tokens admitted and not yet computed there
+    free_kv_tokens: int
+    num_running: int
+
+    @classmethod
+    def from_report(cls, report: dict) -> ReplicaLoad:
+        return cls(
+            int(report["queued_prefill_tokens"]),
+            int(report["free_kv_tokens"]),
+            int(report["num_running"]),
+        )
+
+
+class LoadView:
+    def __init__(self, prefill: DeploymentHandle, decode: DeploymentHandle, period_s: float):
+        self.prefill, self.decode, self.period_s = prefill, decode, period_s
+        self.prefill_replicas: list[ReplicaLoad] = []
+        self.decode_replicas: list[ReplicaLoad] = []
+        self._placed = {"local": 0, "remote": 0}  # prompt tokens placed since the report
+        self._task: asyncio.Task | None = None
+
+    @property
+    def known(self) -> bool:
+        return bool(self.prefill_replicas) and bool(self.decode_replicas)
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._poll())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    def placed(self, where: str, tokens: int) -> None:
+        self._placed[where] += tokens
+
+    def prefill_load(self) -> PrefillLoad:
+        queued = min(r.queued_prefill_tokens for r in self.prefill_replicas)
+        return PrefillLoad(queued + self._placed["remote"], len(self.prefill_replicas))
+
+    def decode_load(self) -> DecodeLoad:
+        best = max(self.decode_replicas, key=lambda r: r.free_kv_tokens - r.queued_prefill_tokens)
+        queued = best.queued_prefill_tokens + self._placed["local"]
+        return DecodeLoad(best.free_kv_tokens, best.num_running, queued)
+
+    def update(self, prefill: list[dict], decode: list[dict]) -> None:
+        """A new report from every replica: it includes what was placed before it."""
+        self.prefill_replicas = [ReplicaLoad.from_report(r) for r in prefill]
+        self.decode_replicas = [ReplicaLoad.from_report(r) for r in decode]
+        self._placed = {"local": 0, "remote": 0}
+
+    async def _poll(self) -> None:
+        while True:
+            try:
+                prefill, decode = await asyncio.gather(
+                    self.prefill.broadcast("placement_load").results_async(),
+                    self.decode.broadcast("placement_load").results_async(),
+                )
+                self.update(list(prefill), list(decode))
+            except Exception as e:  # noqa: BLE001 - a replica restarting: keep the last view
+                log.debug("placement load poll failed: %r", e)
+            await asyncio.sleep(self.period_s)
