@@ -32,3 +32,17 @@ def test_assigned_awaits_the_hook_and_raises_its_refusal():
 
     with pytest.raises(RuntimeError, match="queue full"):
         asyncio.run(assigned(Refused()))
+
+
+def test_the_private_serve_api_slimserve_serve_uses_is_still_there():
+    """`slimserve serve` (app/serve/cli.py) deploys through Serve's config path, as `serve
+    deploy` does, via its client's `deploy_apps`, and checks the proxy switch Serve copied
+    into its constants at import: both private, so a Ray upgrade that moves them fails here."""
+    import ray.serve._private.constants as constants
+    from ray.serve.context import _get_global_client
+
+    assert callable(_get_global_client)
+    from ray.serve._private.client import ServeControllerClient
+
+    assert callable(getattr(ServeControllerClient, "deploy_apps", None))
+    assert isinstance(constants.RAY_SERVE_ENABLE_HA_PROXY, bool)
