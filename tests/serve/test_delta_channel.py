@@ -17,40 +17,7 @@ from app.serve.channel.delta_codec import decode_deltas, deltas_frames, pack_del
 from app.serve.channel.delta_inbox import DeltaInbox
 from app.serve.channel.delta_outbox import DeltaOutbox, stream_to
 from app.serve.channel.delta_wire import DeltaChannelError, ReplyTo
-
-
-class StepEngine:
-    """Engine stand-in: each step gives every running request one token; max_tokens ends it."""
-
-    def __init__(self):
-        self.running: dict[str, list] = {}
-        self.aborted: list[str] = []
-        self.steps = 0
-
-    def add_request(self, request: Request) -> None:
-        self.running[request.request_id] = [request, 0]
-
-    def abort(self, request_id: str) -> None:
-        if self.running.pop(request_id, None) is not None:
-            self.aborted.append(request_id)
-
-    def has_unfinished(self) -> bool:
-        return bool(self.running)
-
-    def wake(self) -> None:
-        pass  # its steps never idle-wait
-
-    def step(self) -> list[RequestDelta]:
-        self.steps += 1
-        out = []
-        for rid, state in list(self.running.items()):
-            state[1] += 1
-            n = state[1]
-            done = n >= state[0].sampling_params.max_tokens
-            out.append(RequestDelta(rid, 0, [n], f"t{n} ", done, "length" if done else None))
-            if done:
-                del self.running[rid]
-        return out
+from serve.step_engine import StepEngine
 
 
 def request(rid: str, max_tokens: int) -> Request:

@@ -42,9 +42,6 @@ class DecodeServer(EngineReplica):
         self.host.inflight_tokens += len(prompt)
         try:
             with self._local_prefill(req) as prefilled:
-                if isinstance(req.prefill, HandOff):
-                    prefill = await self._prefill_result(req.prefill)
-                    req = dataclasses.replace(req, prefill=prefill)
                 request = await self._request(req)
                 deltas = self._drop_rejected(self.host.async_engine.generate(request))
                 # timed: inter-token latency on this replica (and TTFT when it prefilled)
@@ -84,9 +81,6 @@ class DecodeServer(EngineReplica):
         self.host.inflight_tokens += len(prompt)
         try:
             with self._local_prefill(req) as prefilled:
-                if isinstance(req.prefill, HandOff):
-                    prefill = await self._prefill_result(req.prefill)
-                    req = dataclasses.replace(req, prefill=prefill)
                 request = await self._request(req)
                 sent = lambda delta: (prefilled(), on_delta(delta))  # noqa: E731
                 await stream_to(link, self.host.async_engine.run(request, sent))
@@ -124,9 +118,12 @@ class DecodeServer(EngineReplica):
         assert self.hand_offs is not None, "a decode replica uses the store"
         return await self.hand_offs.take(hand_off.key)
 
-    async def _request(self, req: DecodeRequest) -> Request:  # req.prefill: not a HandOff
-        """The engine request continuing after prefill's first token, with the prompt's KV;
-        without a prefill, the whole choice (its prompt prefilled here)."""
+    async def _request(self, req: DecodeRequest) -> Request:
+        """The engine request continuing after prefill's first token, with the prompt's KV
+        (the prefill's result taken from the hand-off box first); without a prefill, the
+        whole choice (its prompt prefilled here)."""
+        if isinstance(req.prefill, HandOff):
+            req = dataclasses.replace(req, prefill=await self._prefill_result(req.prefill))
         gen = req.request
         prompt = gen.prompt_token_ids
         if req.prefill is None:
