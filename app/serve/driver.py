@@ -176,8 +176,6 @@ class RequestDriver:
         placement = place_prefill(PromptLoad(n), prefill, decode, config)
         view.placed(placement.where, n)
         self.metrics.inc("slimserve:prefill_placements", 1, **placement.labels)
-        self.metrics.set("slimserve:prefill_queue_tokens", prefill.queued_tokens)
-        self.metrics.set("slimserve:decode_headroom_tokens", decode.headroom_tokens)
         return placement.where == "local"
 
     async def _one_call(

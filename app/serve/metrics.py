@@ -82,10 +82,10 @@ SPECS: dict[str, MetricSpec] = {
         tags=("where", "reason"),
     ),
     "slimserve:prefill_queue_tokens": MetricSpec(
-        "gauge", "Prompt tokens queued on the least-loaded prefill replica (placement input)."
+        "gauge", "Prompt tokens still to prefill on this prefill replica (a placement input)."
     ),
     "slimserve:decode_headroom_tokens": MetricSpec(
-        "gauge", "Free KV tokens less queued local prefills on the best decode replica."
+        "gauge", "Free KV tokens less queued local prefills on this decode replica (placement)."
     ),
     "slimserve:local_prefills": MetricSpec(
         "counter", "Choices given to their decode replica to prefill (a prompt under a KV chunk)."

@@ -186,3 +186,15 @@ def test_a_short_remote_queue_is_no_reason_to_prefill_locally():
     assert place_prefill(prompt, short_queue, idle, config).where == "remote"
     long_queue = PrefillLoad(queued_tokens=2000, num_replicas=1)
     assert place_prefill(prompt, long_queue, idle, config).where == "local"
+
+
+def test_a_short_prompt_needs_only_room_for_itself_on_a_small_decode_cache():
+    """The headroom kept for running sequences applies to long prompts placed by load: a
+    short prompt the decode replica can hold still prefills there (a small KV cache, 128
+    tokens here, would otherwise send every short prompt remote). Seen failing (remote,
+    decode_kv_full) with the reserve checked before the short-prompt rule."""
+    config = PlacementConfig(short_prompt_tokens=31)
+    small = DecodeLoad(free_kv_tokens=128, num_running=0)
+    idle = PrefillLoad(queued_tokens=0, num_replicas=1)
+    assert place_prefill(PromptLoad(20), idle, small, config).where == "local"
+    assert place_prefill(PromptLoad(200), idle, small, config).reason == "decode_kv_full"

@@ -20,7 +20,8 @@ down at most ``max_itl_slowdown``x:
 
 Rules, in order: no prefill replica -> local; the decode replica cannot hold the prompt ->
 remote; a prompt of at most ``short_prompt_tokens`` (it fills no KV chunk, so nothing to
-share) -> local; batch or ITL cap reached -> remote; else local only if clearly faster,
+share) -> local; a longer one that would eat into the headroom kept for the running
+sequences -> remote; batch or ITL cap reached -> remote; else local only if clearly faster,
 ``local * (1 + local_margin) + local_min_gain_s < remote``. The margins keep small load
 swings (and the ingress's own placements not yet reported done) from flipping
 placements; at equal estimates remote wins, as its chunks reach the store for every replica.
@@ -161,10 +162,12 @@ def place_prefill(
 
     if prefill.num_replicas == 0:
         return placed("local", NO_PREFILL_REPLICA)
-    if decode.headroom_tokens < prompt.num_tokens + config.kv_headroom_tokens:
+    if decode.headroom_tokens < prompt.num_tokens:
         return placed("remote", DECODE_KV_FULL)
     if prompt.num_tokens <= config.short_prompt_tokens:
         return placed("local", SHORT_PROMPT)
+    if decode.headroom_tokens < prompt.num_tokens + config.kv_headroom_tokens:
+        return placed("remote", DECODE_KV_FULL)  # a long prompt leaves the running room
     cap = config.max_decode_running
     if cap is not None and decode.num_running >= cap:
         return placed("remote", DECODE_BATCH_FULL)
