@@ -66,3 +66,20 @@ def bar_plot(
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def kernel_timer(device: str, warmup: int, rep: int, scale: float = 1e3):
+    """A callable that times one kernel call: Triton's `do_bench` on CUDA (it flushes L2
+    before every call), one wall-clock call elsewhere (the CPU smoke runs). In ms x
+    ``scale`` (1e3: microseconds)."""
+    if device == "cuda":
+        from triton.testing import do_bench
+
+        return lambda fn: float(do_bench(fn, warmup=warmup, rep=rep)) * scale
+
+    def once(fn):
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3 * scale
+
+    return once

@@ -22,6 +22,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.common import kernel_timer  # noqa: E402
+
 # (K, N): Llama-3-8B gate_up / down, GLM-4.5 q (5120 -> 96 x 128), Kimi K2 kv_a (narrow N)
 # and q_b (short K)
 SHAPES = [(4096, 28672), (14336, 4096), (5120, 12288), (7168, 576), (1536, 12288)]
@@ -52,21 +54,6 @@ def configs(m: int, n: int, k: int, sms: int, grid: dict):
                        num_stages=stages, split_k=split)  # fmt: skip
 
 
-def timer(device):
-    """ms per call: triton's do_bench on CUDA; one wall-clock call in the smoke run."""
-    if device == "cuda":
-        from triton.testing import do_bench
-
-        return lambda fn: float(do_bench(fn, warmup=5, rep=25))
-
-    def once(fn):
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
-
-    return once
-
-
 def sweep_point(m: int, k: int, n: int, gen, device: str, grid: dict) -> dict:
     import torch
 
@@ -75,7 +62,7 @@ def sweep_point(m: int, k: int, n: int, gen, device: str, grid: dict) -> dict:
     from slimserve_kernels.fp8_act_quant_triton import quantize_fp8_token_groups
     from slimserve_kernels.fp8_w8a8_triton import choose_config, fp8_block_gemm
 
-    block, bench = (128, 128), timer(device)
+    block, bench = (128, 128), kernel_timer(device, warmup=5, rep=25, scale=1.0)
     w = (torch.randn(n, k, generator=gen) * 64).clamp(-448, 448).to(reference.FP8_DTYPE)
     s = torch.exp2(torch.randint(-14, -9, (-(-n // 128), -(-k // 128)), generator=gen)).float()
     x = torch.randn(m, k, generator=gen).to(torch.bfloat16)

@@ -23,6 +23,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.common import kernel_timer  # noqa: E402
+
 INT4_SHAPES = [("llama3_8b.gate_up", 4096, 28672, 128), ("llama3_8b.down", 14336, 4096, 128),
                ("glm45.expert_gate_up", 5120, 3072, 128),
                ("kimi_k2.expert_gate_up", 7168, 4096, 32)]  # fmt: skip
@@ -40,21 +42,6 @@ PEAK_HBM = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}  # bytes/s, by name
 
 def peak_bandwidth(name: str) -> float | None:
     return next((bw for key, bw in PEAK_HBM.items() if key in name), None)
-
-
-def timer(device: str):
-    """us per call: do_bench (L2 flushed before every call) on CUDA; one call on CPU."""
-    if device == "cuda":
-        from triton.testing import do_bench
-
-        return lambda fn: float(do_bench(fn, warmup=10, rep=40)) * 1e3
-
-    def once(fn):
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e6
-
-    return once
 
 
 def rel_err(out, ref) -> float:
@@ -243,7 +230,12 @@ def main() -> None:
     # The interpreter has no bf16 math: fp32 activations and an fp16 cache stand in on CPU.
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     half = torch.bfloat16 if device == "cuda" else torch.float16
-    gen, bench, t0, rows = torch.Generator().manual_seed(0), timer(device), time.time(), []
+    gen, bench, t0, rows = (
+        torch.Generator().manual_seed(0),
+        kernel_timer(device, warmup=10, rep=40),
+        time.time(),
+        [],
+    )
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "gpu_roofline.json")
     parts = [(int4_rows, spec["int4"], dtype), (fp8_rows, spec["fp8"], dtype)]

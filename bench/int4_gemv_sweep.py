@@ -22,6 +22,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.common import kernel_timer  # noqa: E402
+
 # (K, N, group): Llama-3-8B gate_up / down / o, GLM-4.5 expert gate_up / down (g128), Kimi K2
 # expert gate_up / down (its native INT4 is g32).
 SHAPES = [(4096, 28672, 128), (14336, 4096, 128), (4096, 4096, 128), (5120, 3072, 128),
@@ -62,21 +64,6 @@ def configs(m: int, n: int, k: int, group: int, sms: int, grid: dict):
                        GROUP_M=8, num_warps=4)  # fmt: skip
 
 
-def timer(device: str):
-    """us per call: do_bench (L2 flushed before each call) on CUDA; one call in the smoke run."""
-    if device == "cuda":
-        from triton.testing import do_bench
-
-        return lambda fn: float(do_bench(fn, warmup=5, rep=20)) * 1e3
-
-    def once(fn):
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e6
-
-    return once
-
-
 def sweep_point(m, k, n, group, gen, device, grid) -> dict:
     import torch
 
@@ -93,7 +80,7 @@ def sweep_point(m, k, n, group, gen, device, grid) -> dict:
     ref = reference.int4_gemm(x, qweight, scales, None, group).float()
     w = Int4KN.of(qweight, scales, None, group)
     nbytes = n * k // 2 + scales.numel() * 2 + (m * k + m * n) * 2
-    bench, rows, sms = timer(device), [], num_sms(x)
+    bench, rows, sms = kernel_timer(device, warmup=5, rep=20), [], num_sms(x)
     for cfg in configs(m, n, k, group, sms, grid):
         try:
             out = int4_gemm_kn(x, w, config=cfg).float()
