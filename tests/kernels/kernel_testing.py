@@ -65,3 +65,19 @@ def block_tables(lens: list[int], block_size: int, num_blocks: int, gen) -> torc
         table[b, :nb] = perm[start : start + nb]
         start += nb
     return table
+
+
+# INT4 GEMMs: relative (to max |y|) error per activation dtype (fp16 rounds x and the
+# dequantized W once)
+INT4_REL_TOL = {torch.float16: 2e-3, torch.float32: 1e-5}
+
+
+def int4_problem(m, n, k, group, symmetric, dtype, seed=0):
+    """x [m, k] and a random canonical INT4 weight (qweight [n, k/8] int32, scales and, when
+    asymmetric, zeros [n, k/group]): -> (x, qweight, scales, zeros, group)."""
+    gen = torch.Generator().manual_seed(seed)
+    qweight = torch.randint(-(2**31), 2**31 - 1, (n, k // 8), dtype=torch.int32, generator=gen)
+    scales = (torch.rand(n, k // group, generator=gen) * 0.1 + 0.01).to(dtype)
+    zeros = None if symmetric else torch.randint(0, 16, (n, k // group), generator=gen)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    return x, qweight, scales, zeros, group

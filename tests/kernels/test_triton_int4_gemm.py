@@ -4,23 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_testing import INT4_REL_TOL, int4_problem
 
 from slimserve_kernels import reference
 
 pytestmark = pytest.mark.triton
 gemm = pytest.importorskip("slimserve_kernels.int4_gemm_triton")
-
-# Relative (to max |y|) error per activation dtype: fp16 rounds x and the dequantized W once.
-REL_TOL = {torch.float16: 2e-3, torch.float32: 1e-5}
-
-
-def _problem(m, n, k, group, symmetric, dtype, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    qweight = torch.randint(-(2**31), 2**31 - 1, (n, k // 8), dtype=torch.int32, generator=gen)
-    scales = (torch.rand(n, k // group, generator=gen) * 0.1 + 0.01).to(dtype)
-    zeros = None if symmetric else torch.randint(0, 16, (n, k // group), generator=gen)
-    x = torch.randn(m, k, generator=gen).to(dtype)
-    return x, qweight, scales, zeros, group
 
 
 def _check(args, config=None):
@@ -28,7 +17,7 @@ def _check(args, config=None):
     ref = reference.int4_gemm(*args)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     err = (out.float() - ref.float()).abs().max() / ref.float().abs().max()
-    assert err < REL_TOL[args[0].dtype], err
+    assert err < INT4_REL_TOL[args[0].dtype], err
 
 
 @pytest.mark.parametrize("m", [1, 3, 5, 37])
@@ -36,12 +25,12 @@ def _check(args, config=None):
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_default_config(m, dtype, symmetric):
     # K = 160 is not a multiple of any K tile (64/128); N = 40 not a multiple of N tiles.
-    _check(_problem(m, 40, 160, 32, symmetric, dtype))
+    _check(int4_problem(m, 40, 160, 32, symmetric, dtype))
 
 
 @pytest.mark.parametrize("group,k", [(32, 96), (64, 192), (128, 384)])
 def test_groups(group, k):
-    _check(_problem(5, 24, k, group, False, torch.float32, seed=group))
+    _check(int4_problem(5, 24, k, group, False, torch.float32, seed=group))
 
 
 SPLIT_CONFIGS = [
@@ -57,7 +46,7 @@ SPLIT_CONFIGS = [
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_forced_paths(config, symmetric):
     m = config.get("BLOCK_M", 5) if config["path"] == "gemv" else 37
-    _check(_problem(m, 40, 224, 32, symmetric, torch.float16, seed=m), config)
+    _check(int4_problem(m, 40, 224, 32, symmetric, torch.float16, seed=m), config)
 
 
 def test_choose_config():
@@ -70,5 +59,5 @@ def test_choose_config():
 
 
 def test_float_zero_points():
-    x, qw, s, z, g = _problem(5, 40, 160, 32, False, torch.float32)
+    x, qw, s, z, g = int4_problem(5, 40, 160, 32, False, torch.float32)
     _check((x, qw, s, z.float() + 0.5, g))

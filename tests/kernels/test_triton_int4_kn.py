@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from kernel_testing import INT4_REL_TOL, int4_problem
 
 from slimserve_kernels import reference, tuned
 from slimserve_kernels.int4_layout import Int4KN, column_major, dequantize_kn, int4_gemm_kn
@@ -14,16 +15,11 @@ from slimserve_kernels.int4_layout import Int4KN, column_major, dequantize_kn, i
 pytestmark = pytest.mark.triton
 kn = pytest.importorskip("slimserve_kernels.int4_kn_triton")
 
-REL_TOL = {torch.float16: 2e-3, torch.float32: 1e-5}
-
 
 def _problem(m, n, k, group, symmetric, dtype, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    qweight = torch.randint(-(2**31), 2**31 - 1, (n, k // 8), dtype=torch.int32, generator=gen)
-    scales = (torch.rand(n, k // group, generator=gen) * 0.1 + 0.01).to(dtype)
-    zeros = None if symmetric else torch.randint(0, 16, (n, k // group), generator=gen)
-    x = torch.randn(m, k, generator=gen).to(dtype)
-    return x, (qweight, scales, zeros, group)
+    """x and the canonical weight as one (qweight, scales, zeros, group) tuple."""
+    x, *canonical = int4_problem(m, n, k, group, symmetric, dtype, seed)
+    return x, tuple(canonical)
 
 
 def _check(x, canonical, config=None):
@@ -31,7 +27,7 @@ def _check(x, canonical, config=None):
     ref = reference.int4_gemm(x, *canonical)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     err = (out.float() - ref.float()).abs().max() / ref.float().abs().max()
-    assert err < REL_TOL[x.dtype], err
+    assert err < INT4_REL_TOL[x.dtype], err
 
 
 @pytest.mark.parametrize("symmetric", [True, False])
