@@ -31,6 +31,7 @@ from serve.apps import tiny_serve_args
 from app.serve.metrics_stack import grafana_panels
 from ops.browser import chromium
 from ops.dashboard_server import dashboard_server
+from ops.test_autoscaling_ray import autoscaled
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -39,7 +40,6 @@ SCREENSHOT = os.path.join(RESULTS, "dashboard_serve.png")
 SCALED_SCREENSHOT = os.path.join(RESULTS, "dashboard_serve_scaled.png")
 PANELS_SCREENSHOT = os.path.join(RESULTS, "dashboard_panels.png")
 DEPLOYMENTS = ("Ingress", "PrefillServer", "DecodeServer")
-FAST_METRICS = {"RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5"}
 SCALE_OUT_S = 120.0
 
 # The Serve page's applications/deployments table, by its header: name -> {status, replicas}.
@@ -57,23 +57,8 @@ SERVE_TABLE = """(() => {
 
 
 def config(model: str) -> dict:
-    prefill = {
-        "name": "PrefillServer",
-        "ray_actor_options": {"num_cpus": 0, "runtime_env": {"env_vars": FAST_METRICS}},
-        "autoscaling_config": {
-            "min_replicas": 1,
-            "max_replicas": 2,
-            "look_back_period_s": 11,
-            "upscale_delay_s": 0,
-            "downscale_delay_s": 600,
-            "aggregation_function": "max",
-            "target_ongoing_requests": 100,  # the request-count fallback never scales here
-            "policy": {
-                "policy_function": "app.serve.routing.autoscaling:PrefillTokenPolicy",
-                "policy_kwargs": {"target_tokens_per_replica": 64},
-            },
-        },
-    }
+    policy = "app.serve.routing.autoscaling:PrefillTokenPolicy"
+    prefill = {"name": "PrefillServer", **autoscaled(policy, {"target_tokens_per_replica": 64})}
     args = tiny_serve_args(model)
     return {"applications": [{"args": args, "deployments": [prefill]}]}
 
