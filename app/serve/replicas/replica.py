@@ -163,7 +163,7 @@ class EngineHost:
     def routing_stats(self) -> dict[str, Any]:
         s = self.engine.stats()
         self.metrics.on_step(s, self.block_size)  # Serve calls this every routing period
-        self._export_placement_load()
+        self._export_placement_load(s)
         used_blocks = s["kv_blocks_total"] - s["kv_blocks_free"]
         return {
             "inflight_tokens": self.inflight_tokens,
@@ -176,23 +176,23 @@ class EngineHost:
     def stats(self) -> dict[str, Any]:
         return {**self.engine.stats(), "inflight_tokens": self.inflight_tokens, "name": self.name}
 
-    def _export_placement_load(self) -> None:
+    def _export_placement_load(self, stats: dict[str, Any]) -> None:
         """The prefill placement's inputs as this replica reports them (the ingress reads
         the same through `placement_load`): a prefill replica's queued prompt tokens, a
         decode (or colocated) replica's KV headroom."""
-        load = self.placement_load()
+        load = self.placement_load(stats)
         if self.role == "prefill":
             self.metrics.set("slimserve:prefill_queue_tokens", load["queued_prefill_tokens"])
         else:
             headroom = load["free_kv_tokens"] - load["queued_prefill_tokens"]
             self.metrics.set("slimserve:decode_headroom_tokens", headroom)
 
-    def placement_load(self) -> dict[str, int]:
+    def placement_load(self, stats: dict[str, Any] | None = None) -> dict[str, int]:
         """What the ingress's prefill placement policy reads (app/serve/routing/load_view.py): the
         prompt tokens still to prefill here (a prefill replica: every prompt in flight; a
         decode replica: the prompts it was given to prefill, until their first token), its
-        free KV tokens and its running batch."""
-        s = self.engine.stats()
+        free KV tokens and its running batch. ``stats``: `Engine.stats()` if already read."""
+        s = stats if stats is not None else self.engine.stats()
         queued = self.inflight_tokens if self.role == "prefill" else self.local_prefill_tokens
         return {
             "queued_prefill_tokens": queued,
