@@ -61,8 +61,9 @@ async def _refused_on_error(
 
 
 def _decode_request(gen: GenerateRequest, prefill: HandOff) -> DecodeRequest:
-    """The decode call's message; ``prefill``: its result or where to take it. A routing
-    hint names a prefill replica, so it does not carry over to the decode deployment."""
+    """The decode call's message; ``prefill``: where its replica takes the prefill's result.
+    A routing hint names a prefill replica, so it does not carry over to the decode
+    deployment."""
     return DecodeRequest(gen, prefill, dataclasses.replace(gen.routing, hint=None))
 
 
