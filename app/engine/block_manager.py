@@ -164,6 +164,14 @@ class BlockManager:
         self.release(hold.block_ids)
         hold.block_ids, hold.hashes, hold.fresh = [], [], []
 
+    def pin_for_export(self, block_ids: list[int]) -> list[int]:
+        """Pins blocks a running sequence still owns, for an export of its computed chunks
+        to read while it goes on (a preempted or aborted sequence then frees nothing the
+        reader is using); the exporter gives them back with release()."""
+        for block_id in block_ids:
+            self._pin(self.blocks[block_id])
+        return list(block_ids)
+
     def hand_over(self, seq: Sequence) -> list[int]:
         """seq's blocks, still pinned, for an export to read after seq ends; the exporter
         gives them back with release()."""

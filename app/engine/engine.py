@@ -100,6 +100,7 @@ class Engine:
         self.speculator = make_speculator(self, ops) if spec is not None else None
         self.seqs: dict[str, list[Sequence]] = {}
         self._pending: list[RequestDelta] = []
+        self._imports: list[Sequence] = []  # import-only requests (Request.import_only)
         self.step_threads: StepThreads | None = None  # None: torch's thread count as set
 
     def _build_cache_and_runner(self, num_blocks: int, ops) -> None:
@@ -152,12 +153,44 @@ class Engine:
             later.wait_for = seqs[0]
         if p.structured is not None:  # validates now (bad schema: ValueError), compiles later
             self.structured.attach(seqs, p.structured, request.prior_output_ids)
+        if request.import_only:
+            self._add_import(seqs[0], salt)
+            return
         self.scheduler.add(seqs)
         if request.kv_import:  # written off the step; pinned until admission
             seqs[0].kv_hold = self.transfers.start_import(
                 request.request_id, request.prompt_token_ids, request.kv_import, salt
             )
         self.seqs[request.request_id] = seqs
+
+    def _add_import(self, seq: Sequence, salt: bytes) -> None:
+        """An import-only request (`Request.import_only`): its chunks are written off the
+        step and made findable; the step ends it once they are (`_end_imports`). Never
+        scheduled: it computes nothing."""
+        request = seq.request
+        assert request.sampling_params.n == 1, "an import-only request has one sequence"
+        self.seqs[request.request_id] = [seq]
+        seq.kv_hold = self.transfers.start_import(
+            request.request_id, request.prompt_token_ids, request.kv_import or [], salt
+        )
+        self._imports.append(seq)
+
+    def _end_imports(self) -> None:
+        """Import-only requests whose chunks are written (or that import nothing: a chunk
+        that does not continue the prompt, or a pool too short): their blocks stay in the
+        prefix cache, unpinned, and the request ends (its rejected chunks reported)."""
+        for seq in [s for s in self._imports if s.kv_hold is None or s.kv_hold.ready]:
+            self._imports.remove(seq)
+            if seq.finished:  # aborted, or its import failed
+                continue
+            if seq.kv_hold is not None:
+                self.blocks.release_hold(seq.kv_hold)
+                seq.kv_hold = None
+            seq.status, seq.finish_reason = SeqStatus.FINISHED, "stop"
+            delta = self.outputs.final_delta(seq)
+            delta.kv_rejected, seq.kv_rejected = seq.kv_rejected, None
+            self._pending.append(delta)
+            self.seqs.pop(seq.request_id, None)
 
     def _validate(self, request: Request) -> None:
         ids = request.prompt_token_ids
@@ -213,6 +246,7 @@ class Engine:
             log.warning("request %s: %s", seq.request_id, why)
             self._end(seq, "abort")
         deltas = self._apply_transfers()
+        self._end_imports()
         deltas, self._pending = self._pending + deltas, []
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
@@ -253,6 +287,8 @@ class Engine:
         for seq, n in out.scheduled:  # proposed tokens count once verified (settle)
             seq.num_computed_tokens += n - len(seq.spec_tokens)
             self.blocks.commit_full_blocks(seq)
+            if seq.request.export_early and not seq.prompt_done:
+                self._export_early(seq)
         deltas = []
         for seq, tokens in zip(sampled, emitted):
             delta = self._emit(seq, tokens)
@@ -266,6 +302,14 @@ class Engine:
                 self._finish(seq)
             deltas.append(delta)
         return deltas
+
+    def _export_early(self, seq: Sequence) -> None:
+        """The prompt's chunks this step completed go out now (`Request.export_early`), not
+        after its last step: their reader imports them while the rest is computed."""
+        ct = self.chunk_format.chunk_tokens
+        upto = seq.num_computed_tokens // ct * ct
+        if upto > seq.num_exported_tokens:
+            self.transfers.start_early_export(seq, upto)
 
     def _sample(self, logits: torch.Tensor, sampled: list[Sequence]) -> list[list]:
         """Per sequence, the (token, logprob) pairs it emits this step, in order."""

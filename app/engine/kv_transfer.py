@@ -195,16 +195,21 @@ def encode_chunks(
     salt: bytes,
     tagger: Executor | None = None,
     block_hashes: Sequence[BlockHash] = (),
+    first: int = 0,
 ) -> list[KVChunk]:
-    """kv [L, P, n, Hkv, D] (scales [L, P, n, Hkv] or None) of token_ids -> chunks, each
-    tagged on ``tagger`` while the next is copied (or else in the same pass as its copy).
+    """kv [L, P, n - first, Hkv, D] (scales [L, P, n - first, Hkv] or None) of
+    token_ids[first:] -> chunks, each tagged on ``tagger`` while the next is copied (or else
+    in the same pass as its copy). ``first``: where the chunks start, a chunk boundary (an
+    export of the chunks computed so far, then of the rest); their parent is the hash of
+    the block before it, from ``block_hashes``.
 
     block_hashes: the hashes of token_ids' full blocks under salt that the block manager
     already made (Sequence.block_hashes); a full chunk's hash is its last block's, so it is
     taken from there instead of hashing the tokens (keys and BLAKE2b digests) again."""
     n, ct, bs = len(token_ids), fmt.chunk_tokens, fmt.spec.block_size
-    parts, parent = [], None
-    for start in range(0, n, ct):
+    assert first % ct == 0 and first // bs <= len(block_hashes), "first: a known chunk boundary"
+    parts, parent = [], block_hashes[first // bs - 1] if first else None
+    for start in range(first, n, ct):
         end = min(start + ct, n)
         tokens = tuple(token_ids[start:end])
         full = fmt.is_full(len(tokens))
@@ -212,8 +217,10 @@ def encode_chunks(
             h = block_hashes[end // bs - 1]
         else:
             h = chunk_hash(parent, tokens, salt, bs, full)
-        sc = None if scales is None else scales[:, :, start:end]
-        parts.append((fmt.meta(tokens, start, h, parent), kv[:, :, start:end], sc))
+        sc = None if scales is None else scales[:, :, start - first : end - first]
+        parts.append(
+            (fmt.meta(tokens, start, h, parent), kv[:, :, start - first : end - first], sc)
+        )
         parent = h
     if tagger is not None:
         return KVChunk.from_tensors_overlapped(parts, tagger)

@@ -26,6 +26,15 @@ class Request:
     # Stop after the first token and export the KV: the token's delta comes first (not
     # final), then a final one with `exported_chunks` and no token (app/engine/transfers.py)
     prefill_only: bool = False
+    # prefill_only: also export each chunk of ``chunk_tokens`` as soon as a step has computed
+    # it, before the token (token-less, non-final deltas with `exported_chunks`), so the
+    # reader can fetch and import those while the rest of the prompt is computed; the final
+    # delta then has only the chunks after them
+    export_early: bool = False
+    # Only write kv_import into the prefix cache and end (a final delta, no token): a decode
+    # replica imports a prompt's chunks as they come, before the request that uses them
+    # (its own kv_import repeats them; the prefix match finds them cached)
+    import_only: bool = False
     # Output tokens sampled by another replica (a prefill replica's first token): they end
     # prompt_token_ids, and a structured output's grammar replays them before sampling.
     prior_output_ids: list[int] = field(default_factory=list)

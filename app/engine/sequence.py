@@ -49,6 +49,7 @@ class Sequence:
         self.pending_logprobs: list[TokenLogprob] = []
         self.wait_for: Sequence | None = None  # n > 1: siblings wait for the prompt's KV
         self.kv_hold = None  # ImportHold: imported blocks pinned until admission
+        self.num_exported_tokens = 0  # prompt tokens exported early (Request.export_early)
         self.kv_rejected: list | None = None  # [(chunk key, why)]: imported, failed its tag
         self.grammar = None  # SequenceGrammar (app/engine/structured) when constrained
         # Speculative decoding: this step's proposed tokens (not yet part of token_ids; they

@@ -10,7 +10,10 @@ single-threaded:
 - export: the sequence's blocks stay pinned (``hand_over``) until the worker has read them;
   the first token's delta goes out at once (not final: the caller need not wait for the
   copy), and the request's final delta, no token, comes back from ``poll`` with
-  ``exported_chunks`` set;
+  ``exported_chunks`` set. A request that exports early (``Request.export_early``) has
+  each chunk exported as soon as a step has computed it (``start_early_export``, its
+  blocks pinned while the sequence runs on): a token-less, non-final delta with those
+  chunks, then the final delta with the chunks after them;
 - import: ``hold_for_import`` pins every block from import until admission
   (``Scheduler._admit`` drops the hold once the prefix match pinned them again), fresh
   blocks become findable only after the worker wrote them (``commit_import``);
@@ -60,6 +63,9 @@ class ExportJob:
     block_hashes: list[BlockHash]  # of the prompt's full blocks (the chunks' keys, digests)
     after: Any = None  # CUDA event: the step that wrote the KV
     cancelled: bool = False
+    first: int = 0  # the chunks start at this token (earlier ones were exported early)
+    read_from: int = 0  # block_ids[read_from:] hold them (all of block_ids are released)
+    final: bool = True  # False: an early export (its delta neither ends nor closes anything)
 
 
 @dataclass(eq=False, slots=True)
@@ -128,14 +134,29 @@ class Transfers:
 
     def start_export(self, seq: Sequence, first: RequestDelta) -> None:
         """Takes seq's blocks; poll returns the request's final delta (``first``'s fields,
-        no token: that went out already) with the chunks once they are encoded."""
+        no token: that went out already) with the chunks once they are encoded: those after
+        the ones exported early."""
         prompt = seq.token_ids[: seq.num_prompt_tokens]
-        hashes = seq.block_hashes[: len(prompt) // self.blocks.block_size]
+        bs, start = self.blocks.block_size, seq.num_exported_tokens
+        hashes = seq.block_hashes[: len(prompt) // bs]
         block_ids = self.blocks.hand_over(seq)
         final = dataclasses.replace(
             first, new_token_ids=[], text_delta="", logprobs=None, finished=True
         )
         job = ExportJob(seq.request_id, final, prompt, block_ids, seq.salt, hashes, self._event())
+        job.first, job.read_from = start, start // bs
+        self._submit(job)
+
+    def start_early_export(self, seq: Sequence, upto: int) -> None:
+        """Exports seq's computed chunks from its last export up to token ``upto`` (a chunk
+        boundary) while it runs on: poll returns a token-less, non-final delta with them."""
+        bs, start = self.blocks.block_size, seq.num_exported_tokens
+        block_ids = self.blocks.pin_for_export(seq.block_table[start // bs : upto // bs])
+        delta = RequestDelta(seq.request_id, seq.index, [], "")
+        prompt, hashes = seq.token_ids[:upto], seq.block_hashes[: upto // bs]
+        job = ExportJob(seq.request_id, delta, prompt, block_ids, seq.salt, hashes, self._event())
+        job.first, job.final = start, False
+        seq.num_exported_tokens = upto
         self._submit(job)
 
     def cancel(self, request_id: str, seqs: list[Sequence]) -> list[RequestDelta]:
@@ -148,7 +169,7 @@ class Transfers:
         closing = []
         for job in self._jobs.get(request_id, []):
             job.cancelled = True
-            if isinstance(job, ExportJob):
+            if isinstance(job, ExportJob) and job.final:
                 closing.append(_ended(job.delta, "abort"))
         return closing
 
@@ -166,8 +187,12 @@ class Transfers:
                 del self._jobs[job.request_id]
             if isinstance(job, ExportJob):
                 self.blocks.release(job.block_ids)
-                if not job.cancelled:
+                if job.cancelled:
+                    continue
+                if job.final:
                     out.deltas.append(_exported(job.delta, result, error))
+                elif error is None:  # a failed early export leaves a gap: its reader
+                    out.deltas.append(_exported(job.delta, result, None))  # recomputes on
             elif job.cancelled or error is not None:
                 self.blocks.release_hold(job.hold)
                 if not job.cancelled:
@@ -237,12 +262,14 @@ class Transfers:
 
     def _work(self, job):
         if isinstance(job, ExportJob):
-            kv, scales = self.cache.read_tokens(job.block_ids, len(job.token_ids))
+            n = len(job.token_ids) - job.first
+            kv, scales = self.cache.read_tokens(job.block_ids[job.read_from :], n)
             if kv.device.type != "cpu":  # the chunk payload is host memory
                 kv, scales = kv.cpu(), None if scales is None else scales.cpu()
             return encode_chunks(
-                self.fmt, job.token_ids, kv, scales, job.salt, self._tagger, job.block_hashes
-            )
+                self.fmt, job.token_ids, kv, scales, job.salt, self._tagger, job.block_hashes,
+                job.first,
+            )  # fmt: skip
         num_valid, rejected = write_import(self.cache, self.fmt, job.chunks, job.hold, self._tagger)
         written = None
         if self._stream is not None:

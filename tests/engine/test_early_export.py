@@ -1,0 +1,139 @@
+"""The overlapped hand-off's engine seams (no Ray): a prefill that exports each chunk as
+soon as a step computed it (`Request.export_early`), and a decode engine that imports
+chunks as they come (`Request.import_only`) before the request that uses them."""
+
+import dataclasses
+
+import pytest
+
+from app.config import CacheConfig, EngineConfig, SchedulerConfig
+from app.engine.engine import Engine
+from app.engine.request import Request
+from app.kv.chunk import KVChunk
+from tests.engine.test_kv_transfer import GREEDY, PROMPT, run
+
+STEP = 32  # long_prefill_chunk: PROMPT (75 tokens) is computed in 3 steps of <= 32
+
+
+def make_engine(path, step: int = STEP) -> Engine:
+    cache = CacheConfig(
+        block_size=16, kv_cache_dtype="fp8_e4m3", kv_cache_memory_bytes=2 << 20, chunk_tokens=32
+    )
+    sched = SchedulerConfig(long_prefill_chunk=step)
+    return Engine(
+        EngineConfig(model=path, dtype="float32", device="cpu", cache=cache, scheduler=sched)
+    )
+
+
+def wire(chunks) -> list[KVChunk]:
+    """As chunks cross processes: decoded without the tag check (the import checks it)."""
+    return [KVChunk.decode(c.encode(), verify_tag=False) for c in chunks]
+
+
+def prefill_early(engine: Engine, rid: str = "p"):
+    """-> (early parts: [[chunk]], the token's delta, the final delta). A part may come
+    after the token (its export runs on the transfer thread), never after the final delta
+    (one thread, in order)."""
+    deltas = run(engine, Request(rid, PROMPT, GREEDY, prefill_only=True, export_early=True))
+    (first,) = [d for d in deltas if d.new_token_ids]
+    *early, done = [d for d in deltas if not d.new_token_ids]
+    assert all(not d.finished for d in early) and done.finished and not first.finished
+    return [d.exported_chunks for d in early], first, done
+
+
+def verified(chunks: list[KVChunk]) -> list[KVChunk]:
+    return [dataclasses.replace(c, verified=True) for c in chunks]
+
+
+@pytest.fixture(scope="module")
+def reference(llama_path) -> list[int]:
+    deltas = run(make_engine(llama_path), Request("ref", PROMPT, GREEDY))
+    return [t for d in deltas for t in d.new_token_ids]
+
+
+def test_chunks_go_out_as_computed_and_equal_the_whole_export(llama_path):
+    """Seen failing: with `_export_early` not called, no part came before the token."""
+    engine = make_engine(llama_path)
+    parts, first, done = prefill_early(engine)
+    assert [[c.meta.start_pos for c in p] for p in parts] == [[0], [32]]  # one per step
+    assert [c.meta.start_pos for c in done.exported_chunks] == [64]  # the partial rest
+    _, whole = run(engine, Request("w", PROMPT, GREEDY, prefill_only=True))
+    early = [c for p in parts for c in p] + done.exported_chunks
+    assert [c.encode() for c in early] == [c.encode() for c in whole.exported_chunks]
+    assert early[1].meta.parent_key == early[0].key
+    assert engine.blocks.num_free == engine.blocks.num_blocks  # the pins went back
+
+
+def test_chunks_imported_as_they_come_continue_like_one_engine(llama_path, reference):
+    """Each part imported alone (import_only), then the request with all of them: the
+    prefix match finds the parts already written; the output is the one engine's."""
+    parts, first, done = prefill_early(make_engine(llama_path))
+    decode = make_engine(llama_path)
+    sent: list[KVChunk] = []
+    for i, part in enumerate(parts):
+        sent += wire(part)
+        end = sent[-1].meta.start_pos + sent[-1].meta.num_tokens
+        (ended,) = run(
+            decode, Request(f"i{i}", PROMPT[:end], kv_import=list(sent), import_only=True)
+        )
+        assert ended.finished and not ended.new_token_ids and not ended.kv_rejected
+        sent = verified(sent)  # as the decode replica marks what its import checked
+    assert decode.blocks.num_free == decode.blocks.num_blocks  # cached, not pinned
+    assert len(decode.blocks.cached) == 4  # the parts' whole blocks, findable
+    sent += wire(done.exported_chunks)
+    rest = run(decode, Request("d", PROMPT + first.new_token_ids, GREEDY, kv_import=sent))
+    got = first.new_token_ids + [t for d in rest for t in d.new_token_ids]
+    assert got[: len(reference)] == reference
+    assert rest[0].num_cached_tokens == 64
+    assert decode.blocks.num_free == decode.blocks.num_blocks
+
+
+def test_a_corrupted_middle_chunk_is_rejected_and_recomputed(llama_path, reference):
+    """Seen failing: with write_import's tag check skipped, the damaged chunk was imported
+    (num_cached_tokens 64) and the output changed."""
+    parts, first, done = prefill_early(make_engine(llama_path))
+    decode = make_engine(llama_path)
+    good, bad = wire(parts[0]), wire(parts[1])
+    damaged = bytearray(parts[1][0].encode())
+    damaged[-1] ^= 0xFF  # the last payload byte: the header still parses
+    (bad,) = wire([KVChunk.decode(bytes(damaged), verify_tag=False)])
+    (ended,) = run(decode, Request("i", PROMPT[:64], kv_import=good + [bad], import_only=True))
+    assert [key for key, _ in ended.kv_rejected] == [bad.key]
+    sent = verified(good) + [bad] + wire(done.exported_chunks)
+    rest = run(decode, Request("d", PROMPT + first.new_token_ids, GREEDY, kv_import=sent))
+    assert rest[0].kv_rejected and rest[0].num_cached_tokens == 32  # recomputed from 32
+    got = first.new_token_ids + [t for d in rest for t in d.new_token_ids]
+    assert got[: len(reference)] == reference
+    assert decode.blocks.num_free == decode.blocks.num_blocks
+
+
+def test_abort_mid_prefill_frees_the_blocks_early_exports_pinned(llama_path):
+    engine = make_engine(llama_path)
+    engine.add_request(Request("p", PROMPT, GREEDY, prefill_only=True, export_early=True))
+    seen = engine.step()  # the first 32 tokens: their chunk's export is under way
+    assert engine.transfers.busy and not seen
+    engine.abort("p")
+    while engine.has_unfinished():
+        seen += engine.step()
+    assert seen[-1].finish_reason == "abort" and sum(d.finished for d in seen) == 1
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def test_abort_of_an_import_in_flight_frees_its_blocks(llama_path):
+    parts, _, _ = prefill_early(make_engine(llama_path))
+    decode = make_engine(llama_path)
+    decode.add_request(Request("i", PROMPT[:32], kv_import=wire(parts[0]), import_only=True))
+    decode.abort("i")
+    deltas = []
+    while decode.has_unfinished():
+        deltas += decode.step()
+    assert [d.finish_reason for d in deltas] == ["abort"]
+    assert decode.blocks.num_free == decode.blocks.num_blocks and not decode.blocks.num_held
+
+
+def test_an_import_of_nothing_usable_ends_at_once(llama_path):
+    parts, _, _ = prefill_early(make_engine(llama_path))
+    decode = make_engine(llama_path)
+    other = [PROMPT[0] + 1] + PROMPT[1:32]  # the chunk does not continue this prompt
+    (ended,) = run(decode, Request("i", other, kv_import=wire(parts[0]), import_only=True))
+    assert ended.finished and not decode.blocks.cached
