@@ -10,7 +10,9 @@ call arguments and results, so Ray counts them: the box borrows them until they 
 (A result whose KV is in-band, no ref, comes back to the ingress, which posts it here.)
 
 Either side may come first: a take waits (bounded, ``wait_s``; the caller asks again) for
-the post, and a post waits (``ttl_s``) for its take. A taker that gives up (the decode call
+the post, and a post waits (``ttl_s``) for its take. A key may carry several values, taken
+one by one in the order they were posted (an overlapped hand-off posts each part of the
+prompt's KV as it is published, then the result: ``last``). A taker that gives up (the decode call
 was cancelled) discards the key, and so does the ingress for a choice that ended before its
 decode call completed; a discarded key's value is dropped when posted, which releases its
 refs. A value nobody takes or discards (its decode replica died) is dropped after
@@ -23,7 +25,8 @@ import asyncio
 import contextvars
 import logging
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -51,35 +54,54 @@ class HandOffLost(RuntimeError):
     call fails with this and the request is retriable (HTTP 503 / gRPC UNAVAILABLE)."""
 
 
+@dataclass(slots=True)
+class _Queued:
+    """A key's values not yet taken."""
+
+    posted_at: float  # its first value's post (the key expires ``ttl_s`` after)
+    values: deque = field(default_factory=deque)
+    closed: bool = False  # its last value was posted
+
+
 class HandOffBox:
     """Run as an async Ray actor (``HandOffActor``); every method runs on its event loop."""
 
     def __init__(self, ttl_s: float = TTL_S, tombstone_ttl_s: float = TOMBSTONE_TTL_S):
         self.ttl_s, self.tombstone_ttl_s = ttl_s, tombstone_ttl_s
-        self._posted: OrderedDict[str, tuple[float, Any]] = OrderedDict()  # oldest first
+        self._posted: OrderedDict[str, _Queued] = OrderedDict()  # oldest first
         self._discarded: OrderedDict[str, float] = OrderedDict()  # discarded before posted
         self._waiting: dict[str, asyncio.Future] = {}  # key -> the take waiting for it
         counters = ("posted", "taken", "expired", "superseded", "discarded")
         self._counters = dict.fromkeys(counters, 0)
         self._sweeper: asyncio.Task | None = None  # started by the first call (a loop runs)
 
-    async def post(self, key: str, value: Any) -> None:
+    async def post(self, key: str, value: Any, last: bool = True) -> None:
+        """``last``: no more values come under ``key`` (a discard's tombstone goes then)."""
         self._sweep_now()
         self._counters["posted"] += 1
-        if self._discarded.pop(key, None) is not None:
-            return  # its taker is gone: drop it now
-        waiter = self._waiting.pop(key, None)
-        if waiter is not None and not waiter.done():
-            waiter.set_result(value)
+        if key in self._discarded:  # its taker is gone: drop it now
+            if last:
+                del self._discarded[key]
             return
-        self._posted[key] = (time.monotonic(), value)
+        waiter = self._waiting.pop(key, None)
+        if waiter is not None and not waiter.done():  # nothing queued: it would have
+            waiter.set_result(value)  # been taken
+            return
+        queued = self._posted.setdefault(key, _Queued(time.monotonic()))
+        queued.values.append(value)
+        queued.closed = last
 
     async def take(self, key: str, wait_s: float = WAIT_S) -> tuple[bool, Any]:
-        """(True, the value) once posted, or (False, None) after ``wait_s`` without it."""
+        """(True, the key's next value) once posted, or (False, None) after ``wait_s``
+        without it."""
         self._sweep_now()
         if key in self._posted:
             self._counters["taken"] += 1
-            return True, self._posted.pop(key)[1]
+            queued = self._posted[key]
+            value = queued.values.popleft()
+            if not queued.values:
+                del self._posted[key]
+            return True, value
         earlier = self._waiting.get(key)
         if earlier is not None and not earlier.done():  # a caller that gave up: asks again
             earlier.cancel()
@@ -105,13 +127,15 @@ class HandOffBox:
         """The taker of ``key`` is gone: its value is dropped, now or when it is posted."""
         self._sweep_now()
         self._counters["discarded"] += 1
-        if self._posted.pop(key, None) is None:
+        queued = self._posted.pop(key, None)
+        if queued is None or not queued.closed:  # more may come: drop it then
             self._discarded.pop(key, None)  # kept in time order: a repeat goes to the end
             self._discarded[key] = time.monotonic()
 
     async def stats(self) -> dict[str, int]:
         self._sweep_now()
-        held = {"held": len(self._posted), "tombstones": len(self._discarded)}
+        held = sum(len(q.values) for q in self._posted.values())
+        held = {"held": held, "tombstones": len(self._discarded)}
         return {**self._counters, **held, "waiting": len(self._waiting)}
 
     def _sweep_now(self) -> None:
@@ -128,11 +152,10 @@ class HandOffBox:
 
     def _expire(self, now: float) -> None:
         while self._posted:
-            key, (posted_at, _) = next(iter(self._posted.items()))
-            if now - posted_at < self.ttl_s:
+            key, queued = next(iter(self._posted.items()))
+            if now - queued.posted_at < self.ttl_s:
                 break
-            del self._posted[key]
-            self._counters["expired"] += 1
+            self._counters["expired"] += len(self._posted.pop(key).values)
         while self._discarded:
             if now - next(iter(self._discarded.values())) < self.tombstone_ttl_s:
                 break
@@ -164,15 +187,15 @@ class HandOffs:
         self.store_name = store_name
         self.box = start_box(store_name)
 
-    async def post(self, key: str, value: Any) -> None:
+    async def post(self, key: str, value: Any, last: bool = True) -> None:
         try:
-            await self.box.post.remote(key, value)
+            await self.box.post.remote(key, value, last)
         except SHARD_GONE as e:
             self._replace(e)
-            await self.box.post.remote(key, value)
+            await self.box.post.remote(key, value, last)
 
     async def take(self, key: str, within_s: float = TAKE_WITHIN_S) -> Any:
-        """The value posted under ``key``; `HandOffLost` if none comes within ``within_s``
+        """The next value posted under ``key``; `HandOffLost` if none comes within ``within_s``
         or the box is lost meanwhile. Cancelled (the caller left), it discards the key so
         the value does not linger."""
         loop = asyncio.get_running_loop()
