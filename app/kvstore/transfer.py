@@ -70,8 +70,10 @@ async def fetch_verified(
     *,
     timeout_s: float = 30.0,
     verify_tag: bool = True,
+    start: int = 0,
 ) -> FetchResult:
-    """Fetch ``stored`` (consecutive chunks of the prompt, from position 0) and verify each.
+    """Fetch ``stored`` (consecutive chunks of the prompt, from token ``start``) and verify
+    each.
 
     Returns the run of verified chunks before the first failure. Failed chunks are dropped
     from the store with reason "fetch" (object missing, owner died, timeout) or "integrity"
@@ -87,7 +89,7 @@ async def fetch_verified(
     t0 = time.perf_counter()
     bufs = await asyncio.gather(*(_get(s, timeout_s) for s in stored), return_exceptions=True)
     result.fetch_s = time.perf_counter() - t0
-    pos = 0
+    pos = start
     for s, buf in zip(stored, bufs):
         t1 = time.perf_counter()
         if isinstance(buf, BaseException):

@@ -44,19 +44,37 @@ class GenerateRequest:
 class PrefillResult:
     request_id: str
     first: RequestDelta  # the first sampled token (finished if it already ends the choice)
-    chunks: list[StoredChunk]  # the prompt's KV, in order, store-owned: full + partial last
+    # the prompt's KV, in order, store-owned: full + partial last; after an overlapped
+    # hand-off's parts (`HandOffPart`), only the chunks after them
+    chunks: list[StoredChunk]
     replica: str
     num_store_tokens: int = 0  # prompt tokens whose KV came from the shared store
     store_failures: int = 0
     # True: the result (chunk refs included) was posted to the hand-off box, and these
     # chunks left out; False: it is whole here, its KV in-band (no Ray ref)
     posted: bool = False
+    chunks_start: int = 0  # the prompt position of chunks[0] (after the parts posted)
 
     @property
     def in_band(self) -> bool:
         """Every chunk travels inside the result (its bytes, no Ray ref): it may cross
         Serve's by-value transport, which pickles outside Ray."""
         return all(c.in_band for c in self.chunks)
+
+
+@dataclass(frozen=True, slots=True)
+class HandOffPart:
+    """Chunks of the prompt's KV published before the prefill's result (an overlapped
+    hand-off: the prefill replica posts each as soon as its engine has computed them, under
+    the result's key): the decode replica fetches and imports them while the rest of the
+    prompt is computed. ``start``: the prompt position of the first chunk."""
+
+    start: int
+    chunks: list[StoredChunk]
+
+    @property
+    def end(self) -> int:
+        return self.start + sum(len(c.token_ids) for c in self.chunks)
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,15 +7,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import logging
 from collections.abc import AsyncIterator, Callable, Iterator
 
 from ray import serve
 
 from app.engine.request import Request, RequestDelta
+from app.kv.chunk import KVChunk
 from app.serve.channel.delta_outbox import stream_to
 from app.serve.channel.delta_wire import ReplyTo, StreamSummary
-from app.serve.messages import DecodeRequest, HandOff, PrefillResult
+from app.serve.messages import DecodeRequest, GenerateRequest, HandOff, HandOffPart, PrefillResult
 from app.serve.metrics import RequestTimer
 from app.serve.replicas.engine_replica import EngineReplica
 from app.serve.streaming import coalesce
@@ -28,9 +30,11 @@ class DecodeServer(EngineReplica):
     role = "decode"
     uses_store = True
     local_prefills = 0  # choices given to this replica to prefill (the metric counts them too)
+    parts_imported = 0  # parts of overlapped hand-offs imported before their result came
 
     async def stats(self) -> dict:
-        return {**await super().stats(), "local_prefills": self.local_prefills}
+        mine = {"local_prefills": self.local_prefills, "parts_imported": self.parts_imported}
+        return {**await super().stats(), **mine}
 
     async def generate(self, req: DecodeRequest) -> AsyncIterator[RequestDelta]:
         """Deltas after the first token, streamed back through Serve. The call is placed
@@ -111,38 +115,54 @@ class DecodeServer(EngineReplica):
         finally:
             prefilled()
 
-    async def _prefill_result(self, hand_off: HandOff) -> PrefillResult:
-        """The prefill's result, taken from the hand-off box (posted there by the prefill
-        replica, or by the ingress when its KV is in-band); `HandOffLost` (503) when it
-        does not come."""
-        assert self.hand_offs is not None, "a decode replica uses the store"
-        return await self.hand_offs.take(hand_off.key)
-
     async def _request(self, req: DecodeRequest) -> Request:
         """The engine request continuing after prefill's first token, with the prompt's KV
         (the prefill's result taken from the hand-off box first); without a prefill, the
         whole choice (its prompt prefilled here)."""
-        if isinstance(req.prefill, HandOff):
-            req = dataclasses.replace(req, prefill=await self._prefill_result(req.prefill))
         gen = req.request
-        prompt = gen.prompt_token_ids
         if req.prefill is None:
             self.local_prefills += 1
             self.host.metrics.inc("slimserve:local_prefills", 1)
             return gen.engine_request()
-        first = req.prefill.first
-        # The tags are checked by the engine's import, in the same pass as its cache
-        # write (app/engine/kv_transfer.py); what it rejects is dropped after.
-        fetched = await self.host.fetch(req.prefill.chunks, prompt, verify_tag=False)
+        parts = _PartImports(self, gen)
+        try:
+            result = req.prefill
+            if isinstance(result, HandOff):
+                result = await self._prefill_result(result, parts)
+            # The tags are checked by the engine's import, in the same pass as its cache
+            # write (app/engine/kv_transfer.py); what it rejects is dropped after.
+            fetched, imported = await asyncio.gather(
+                self.host.fetch(
+                    result.chunks, gen.prompt_token_ids, verify_tag=False,
+                    start=result.chunks_start,
+                ),
+                parts.imported(),
+            )  # fmt: skip
+        finally:
+            parts.cancel()  # done by now, unless this call was cancelled
+        kv = imported
+        if _continues(imported, result.chunks_start):
+            kv = imported + fetched.chunks
+        first = result.first
         left = gen.params.max_tokens - len(first.new_token_ids)
         return Request(
             gen.request_id,
-            prompt + first.new_token_ids,
+            gen.prompt_token_ids + first.new_token_ids,
             dataclasses.replace(gen.params, n=1, max_tokens=left),
             cache_salt=gen.cache_salt,
-            kv_import=fetched.chunks or None,
+            kv_import=kv or None,
             prior_output_ids=list(first.new_token_ids),  # a grammar replays them
         )
+
+    async def _prefill_result(self, hand_off: HandOff, parts: _PartImports) -> PrefillResult:
+        """The prefill's result, taken from the hand-off box (posted there by the prefill
+        replica, or by the ingress when its KV is in-band); the parts posted before it (an
+        overlapped hand-off) go to ``parts`` as they come. `HandOffLost` (503) when it does
+        not come."""
+        assert self.hand_offs is not None, "a decode replica uses the store"
+        while isinstance(value := await self.hand_offs.take(hand_off.key), HandOffPart):
+            parts.add(value)
+        return value
 
     async def _drop_rejected(self, deltas: AsyncIterator[RequestDelta]):
         async with contextlib.aclosing(deltas):  # closing us aborts the engine request now
@@ -151,3 +171,76 @@ class DecodeServer(EngineReplica):
                     await self.host.drop_rejected(delta.kv_rejected)
                     delta = dataclasses.replace(delta, kv_rejected=None)
                 yield delta
+
+
+def _continues(chunks: list[KVChunk], start: int) -> bool:
+    """Whether chunks starting at ``start`` continue ``chunks`` (from position 0)."""
+    if not chunks:
+        return start == 0
+    return chunks[-1].meta.start_pos + chunks[-1].meta.num_tokens == start
+
+
+class _PartImports:
+    """The parts of an overlapped hand-off (`HandOffPart`), each fetched as it comes and
+    imported into this replica's prefix cache (`Request.import_only`) in prompt order,
+    while the prefill replica computes the rest. The request that continues the prompt
+    imports them again (``imported``): a pin only, its prefix match finds them cached; a
+    chunk evicted meanwhile is written again from the same bytes. A part that cannot be
+    fetched, or a chunk whose tag the import rejects (dropped from the store), ends the
+    run: the tokens after it are recomputed, as for any missing chunk."""
+
+    def __init__(self, server: DecodeServer, gen: GenerateRequest):
+        self.server, self.host, self.gen = server, server.host, gen
+        self.chunks: list[KVChunk] = []  # imported, tag checked, from position 0
+        self.broken = False  # a gap: later parts are not used
+        self._last: asyncio.Task | None = None
+        self._count = 0
+
+    def add(self, part: HandOffPart) -> None:
+        fetch = asyncio.ensure_future(
+            self.host.fetch(
+                part.chunks, self.gen.prompt_token_ids, verify_tag=False, start=part.start
+            )
+        )
+        self._last = asyncio.ensure_future(self._import(self._last, part, fetch))
+
+    async def imported(self) -> list[KVChunk]:
+        if self._last is not None:
+            await self._last
+        return self.chunks
+
+    def cancel(self) -> None:
+        if self._last is not None:
+            self._last.cancel()
+
+    async def _import(self, before: asyncio.Task | None, part: HandOffPart, fetch) -> None:
+        try:
+            fetched = await fetch  # beside the earlier parts' imports
+            if before is not None:
+                await before
+        except BaseException:
+            fetch.cancel()
+            raise
+        if self.broken or not _continues(self.chunks, part.start) or not fetched.chunks:
+            self.broken = True
+            return
+        self._count += 1
+        self.server.parts_imported += 1
+        offered = self.chunks + fetched.chunks
+        end = part.start + sum(c.meta.num_tokens for c in fetched.chunks)
+        request = Request(
+            f"{self.gen.request_id}/import-{self._count}",
+            self.gen.prompt_token_ids[:end],
+            cache_salt=self.gen.cache_salt,
+            kv_import=offered,
+            import_only=True,
+        )
+        rejected = []
+        async for delta in self.host.async_engine.generate(request):
+            rejected = delta.kv_rejected or rejected
+        if rejected:
+            await self.host.drop_rejected(rejected)
+        bad = {key for key, _ in rejected}
+        good = list(itertools.takewhile(lambda c: c.key not in bad, fetched.chunks))
+        self.chunks += [dataclasses.replace(c, verified=True) for c in good]
+        self.broken = len(good) < len(part.chunks)

@@ -18,7 +18,7 @@ from app.engine.request import Request, RequestDelta, RequestError
 from app.kv.chunk import KVChunk
 from app.kvstore.store import StoredChunk
 from app.kvstore.transfer import publish
-from app.serve.messages import DONE_REASONS, GenerateRequest, HandOff, PrefillResult
+from app.serve.messages import DONE_REASONS, GenerateRequest, HandOff, HandOffPart, PrefillResult
 from app.serve.replicas.engine_replica import EngineReplica
 from app.serve.replicas.replica import is_full
 from app.serve.streaming import merge
@@ -67,7 +67,9 @@ class PrefillServer(EngineReplica):
     ) -> PrefillResult:
         result = await self._prefill(req, on_first)
         if result.first.finish_reason in DONE_REASONS:  # no decode call: nothing to hand
-            return dataclasses.replace(result, chunks=[])  # over (the store keeps its own)
+            if result.chunks_start:  # over (the store keeps its own): parts posted go
+                self.hand_offs.discard(HandOff(req.request_id).key)
+            return dataclasses.replace(result, chunks=[])
         if result.in_band:
             return result
         assert self.hand_offs is not None, "a prefill replica uses the store"
@@ -90,12 +92,18 @@ class PrefillServer(EngineReplica):
                 cache_salt=req.cache_salt,
                 kv_import=fetched.chunks or None,
                 prefill_only=True,
+                export_early=self.args.overlap_hand_off_tokens > 0,
             )
             deltas = host.metrics.timed(  # timed: TTFT as this replica sees it
                 host.async_engine.generate(request), len(prompt), count=False
             )
-            first = await anext(deltas)  # the token, ahead of the KV export
-            work = self._hand_over(first, deltas, reused, on_first)
+            parts = _Parts(self, HandOff(req.request_id).key, reused)
+            try:
+                first = await parts.until_token(deltas)  # the token, ahead of the KV export
+            except BaseException:
+                parts.cancel()
+                raise
+            work = self._hand_over(first, deltas, parts, on_first)
             first, chunks = await self._shielded(work)
             return PrefillResult(
                 req.request_id,
@@ -104,6 +112,7 @@ class PrefillServer(EngineReplica):
                 host.name,
                 num_store_tokens=fetched.num_tokens,
                 store_failures=len(fetched.failures),
+                chunks_start=parts.end,
             )
         finally:
             host.inflight_tokens -= len(prompt)
@@ -112,28 +121,35 @@ class PrefillServer(EngineReplica):
         self,
         first: RequestDelta,
         rest: AsyncIterator[RequestDelta],
-        reused: list[StoredChunk],
+        parts: _Parts,
         on_first: Callable[[RequestDelta], Awaitable[None]] | None,
     ) -> tuple[RequestDelta, list[StoredChunk]]:
         """Sends the first token (``on_first``) while the engine exports the prompt's KV,
-        then publishes that: -> (the prefill's one delta, its chunks). The engine gives
-        the token before its final delta, which carries the chunks (measured 1.5-2 ms of a
-        64-token prompt's first token here, the export's copy and tags)."""
+        then publishes that: -> (the prefill's one delta, its chunks after the parts
+        already posted). The engine gives the token before its final delta, which carries
+        the chunks (measured 1.5-2 ms of a 64-token prompt's first token here, the export's
+        copy and tags); parts exported early may still come before it."""
         async with contextlib.aclosing(rest):
             if on_first is not None:
                 await on_first(first)
             try:
                 async for delta in rest:
+                    if not delta.finished and delta.exported_chunks:
+                        parts.add(delta.exported_chunks)
+                        continue
                     first = merge(first, delta)
             except RequestError as e:  # the export failed: the token stands; the decode
                 # replica gets what came from the store and computes the rest
                 log.warning("prefill %s: its KV export failed: %s", first.request_id, e)
                 self.host.metrics.inc("slimserve:kv_export_failures", 1)
+                await parts.posted()
+                reused = parts.reused if not parts.end else []
                 return dataclasses.replace(first, finished=True), reused
         assert first.finished, "prefill ended without a final delta"
         exported = first.exported_chunks or []
         first = dataclasses.replace(first, exported_chunks=None)
-        return first, await self._publish(exported, reused)
+        chunks, _ = await asyncio.gather(self._publish(exported, parts.reused), parts.posted())
+        return first, chunks
 
     async def _shielded(self, work: Awaitable[T]) -> T:
         """``work`` runs to its end even if this call is cancelled: once the engine has
@@ -178,6 +194,53 @@ class PrefillServer(EngineReplica):
                 break
             run.append(by_key[c.key or b""])
         return run
+
+
+class _Parts:
+    """A prefill's overlapped hand-off (ServeArgs.overlap_hand_off_min_tokens): each group
+    of chunks its engine exported before the end (`Request.export_early`) is published
+    and posted to the hand-off box under the result's key as a `HandOffPart`, one after
+    another in prompt order, while the engine computes the rest; the result follows them.
+    Posts run in a fresh context, as `PrefillServer._shielded`'s work: chunks published
+    are worth their post even if the call is cancelled (its ingress then discards the key,
+    and the box drops what comes after)."""
+
+    def __init__(self, server: PrefillServer, key: str, reused: list[StoredChunk]):
+        self.server, self.key, self.reused = server, key, reused
+        self.end = 0  # the prompt position after the last part
+        self._last: asyncio.Task | None = None  # the latest part's post (they chain)
+
+    async def until_token(self, deltas: AsyncIterator[RequestDelta]) -> RequestDelta:
+        """Reads ``deltas`` up to the first token, posting the parts that come before it."""
+        async for delta in deltas:
+            if delta.new_token_ids or delta.finished or not delta.exported_chunks:
+                return delta
+            self.add(delta.exported_chunks)
+        raise RuntimeError("the prefill ended without a token")
+
+    def add(self, chunks: list[KVChunk]) -> None:
+        start = chunks[0].meta.start_pos
+        self.end = chunks[-1].meta.start_pos + chunks[-1].meta.num_tokens
+        work = self._post(self._last, start, chunks)
+        task = asyncio.get_running_loop().create_task(work, context=contextvars.Context())
+        self.server._handing_over.add(task)  # the loop keeps only a weak reference
+        task.add_done_callback(self.server._handed_over)
+        self._last = task
+
+    async def posted(self) -> None:
+        """Every part so far is posted (or failed: its chunks are then recomputed)."""
+        if self._last is not None:
+            await asyncio.gather(asyncio.shield(self._last), return_exceptions=True)
+
+    def cancel(self) -> None:
+        if self._last is not None:
+            self._last.cancel()
+
+    async def _post(self, before: asyncio.Task | None, start: int, chunks: list[KVChunk]):
+        published = await self.server._publish(chunks, self.reused)
+        if before is not None:  # in prompt order
+            await asyncio.gather(before, return_exceptions=True)
+        await self.server.hand_offs.post(self.key, HandOffPart(start, published), last=False)
 
 
 async def all_in_transit(chunks: list[KVChunk]) -> list[StoredChunk]:

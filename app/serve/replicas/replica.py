@@ -135,12 +135,13 @@ class EngineHost:
         return run
 
     async def fetch(
-        self, stored: list[StoredChunk], prompt: list[int], verify_tag: bool = True
+        self, stored: list[StoredChunk], prompt: list[int], verify_tag: bool = True, start: int = 0
     ) -> FetchResult:
-        """verify_tag=False: the engine's import checks the tags (drop_rejected after)."""
+        """verify_tag=False: the engine's import checks the tags (drop_rejected after);
+        start: the prompt position of the first chunk."""
         assert self.store is not None
         result = await fetch_verified(
-            self.store, stored, self.expect, prompt, verify_tag=verify_tag
+            self.store, stored, self.expect, prompt, verify_tag=verify_tag, start=start
         )
         self.metrics.on_chunks("fetch", result.bytes)
         self.metrics.on_chunk_failures(result.failures)
