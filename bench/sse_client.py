@@ -99,6 +99,8 @@ def summarize(results: list[dict], wall: float, concurrency: int) -> dict:
         "ttft_p50_s": median(ttft),
         "ttft_p99_s": pct(ttft, 0.99),
         "itl_p50_s": median(gaps),
+        # first -> second token: in disaggregated serving, the hand-off's tail
+        "second_token_p50_s": median([r["gaps"][0] for r in ok if r["gaps"]]),
         "tpot_p50_s": median([r["tpot"] for r in ok if r["tpot"] is not None]),
         "tokens_per_event": tokens / max(1, sum(r["events"] for r in ok)),
     }

@@ -11,6 +11,7 @@ from app.engine.request import RequestDelta
 from app.engine.sampling_params import SamplingParams
 from app.serve.channel.delta_inbox import DeltaInbox
 from app.serve.channel.delta_outbox import DeltaOutbox
+from app.serve.config import ServeArgs
 from app.serve.messages import DecodeRequest, GenerateRequest, HandOff, PrefillResult
 from app.serve.replicas.colocated import EngineServer
 from app.serve.replicas.decode import DecodeServer
@@ -27,8 +28,10 @@ class _Box:
         self.posts: list[str] = []
         self.takes: list[str] = []
         self.discards: list[str] = []
+        self.values: list[tuple[str, object, bool]] = []  # every post: (key, value, last)
 
-    async def post(self, key: str, value: object) -> None:
+    async def post(self, key: str, value: object, last: bool = True) -> None:
+        self.values.append((key, value, last))
         self.posts.append(key)
         self.posted[key] = value
 
@@ -44,6 +47,7 @@ class _Box:
 
 def _server(cls, engine: StepEngine, box: _Box | None = None):
     server = object.__new__(cls.func_or_class)  # the deployment's class, not started
+    server.args = ServeArgs()
     server.outbox = DeltaOutbox()
     server.hand_offs = box or _Box()
     server.host = SimpleNamespace(

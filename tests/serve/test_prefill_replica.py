@@ -251,3 +251,60 @@ STORED = _chunk(b"s", "a Ray ref")
 async def _nothing_stored(reused: list | None = None):
     """Nothing fetched; ``reused``: the store's refs (a prefix this replica has locally)."""
     return SimpleNamespace(chunks=[], num_tokens=0, failures=[]), reused or []
+
+
+def _exported(start: int, n: int = 4) -> SimpleNamespace:
+    """An exported chunk as the replica reads it (its prompt position and length)."""
+    return SimpleNamespace(meta=SimpleNamespace(start_pos=start, num_tokens=n))
+
+
+class EarlyExportEngine(StepEngine):
+    """A prefill-only request exporting early (`Request.export_early`): a part before the
+    token, one after it, then the final delta with the chunks after them."""
+
+    def __init__(self):
+        super().__init__()
+        self.requests: list = []
+
+    def add_request(self, request) -> None:
+        self.requests.append(request)
+        super().add_request(request)
+
+    def step(self) -> list[RequestDelta]:
+        out = []
+        for rid, state in list(self.running.items()):
+            state[1] += 1
+            if state[1] in (1, 3):  # the parts: [0, 4), then [4, 8)
+                start = 0 if state[1] == 1 else 4
+                out.append(RequestDelta(rid, 0, [], "", exported_chunks=[_exported(start)]))
+            elif state[1] == 2:
+                out.append(RequestDelta(rid, 0, [1], "t1 ", finished=False))
+            else:
+                final = [_exported(8, 2)]
+                out.append(RequestDelta(rid, 0, [], "", True, None, exported_chunks=final))
+                del self.running[rid]
+        return out
+
+
+def test_chunks_exported_early_are_posted_as_parts_before_the_result():
+    """The overlapped hand-off on the prefill side: each early export (before or after the
+    token) is published and posted under the choice's key as a `HandOffPart`, in prompt
+    order and not last; the result comes after them, with only the final chunks and
+    `chunks_start` after the parts. Seen failing (one post, the result) with the early
+    deltas merged into the result as before."""
+
+    async def main():
+        engine = EarlyExportEngine()
+        call, got, release, _ = await _prefill_to_its_head(engine, max_tokens=2)
+        release.set()
+        result = await asyncio.wait_for(call, 10)
+        return engine.requests[0], got, result, call.server
+
+    request, got, result, server = asyncio.run(main())
+    assert request.export_early and got.new_token_ids == [1]
+    values = server.hand_offs.values
+    assert [(key, last) for key, _, last in values] == [("r-0", False)] * 2 + [("r-0", True)]
+    parts = [value for _, value, _ in values[:2]]
+    assert [(p.start, p.chunks) for p in parts] == [(0, [PUBLISHED]), (4, [PUBLISHED])]
+    assert values[2][1].chunks == [PUBLISHED] and values[2][1].chunks_start == 8
+    assert result.posted and result.chunks_start == 8
