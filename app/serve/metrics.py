@@ -292,6 +292,14 @@ class RequestTimer:
         self.arrival = time.perf_counter()
         self.last: float | None = self.arrival if after_first else None  # latest token's time
 
+    def restart(self) -> None:
+        """The choice's clock starts now: a decode call placed with its prefill (the
+        overlapped hand-off) waited for the prefill's result, which is not an inter-token
+        gap of its own."""
+        self.arrival = time.perf_counter()
+        if self.last is not None:
+            self.last = self.arrival
+
     def on_tokens(self, n: int) -> None:
         if n <= 0:
             return

@@ -129,3 +129,32 @@ def test_cancelling_generate_to_aborts_the_engine_request():
         engine, inflight = asyncio.run(main(cls, call))
         assert engine.aborted == ["r-0"] and not engine.running, cls
         assert inflight == 0
+
+
+def test_a_decode_call_placed_before_its_prefill_result_times_gaps_from_that_result():
+    """An overlapped hand-off places the decode call with its prefill: its wait for the
+    prefill's result (here 0.3 s) is not an inter-token gap. Seen failing (a 0.3 s gap
+    recorded) without `RequestTimer.restart` in generate_to."""
+    gen = GenerateRequest("r-0", [1, 2, 3], SamplingParams(max_tokens=3))
+    first = RequestDelta("r-0", 0, [7], "y", finished=True)
+
+    async def main():
+        inbox = await DeltaInbox.start()
+        queue = inbox.open("r-0")
+        server = _server(DecodeServer, StepEngine())
+        gaps = []
+        server.host.metrics.observe = lambda name, value: gaps.append((name, value))
+
+        async def post_late():
+            await asyncio.sleep(0.3)
+            await server.hand_offs.post("k", PrefillResult("r-0", first, [], "p"))
+
+        poster = asyncio.ensure_future(post_late())
+        await server.generate_to(DecodeRequest(gen, HandOff("k")), inbox.reply_to, queue.claim)
+        await poster
+        await inbox.stop()
+        return gaps
+
+    gaps = asyncio.run(main())
+    itl = [value for name, value in gaps if name == "slimserve:inter_token_latency_seconds"]
+    assert len(itl) == 2 and max(itl) < 0.2, gaps

@@ -86,6 +86,7 @@ class DecodeServer(EngineReplica):
         try:
             with self._local_prefill(req) as prefilled:
                 request = await self._request(req)
+                timer.restart()  # from the prefill's result (the first token) on
                 sent = lambda delta: (prefilled(), on_delta(delta))  # noqa: E731
                 await stream_to(link, self.host.async_engine.run(request, sent))
             completed = True
