@@ -10,6 +10,7 @@ on that), `generate`'s consumers each wake up in turn.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Callable
 
 from app.engine.engine import Engine
@@ -92,7 +93,28 @@ class AsyncEngine:
         self._wake.set()
         self.engine.wake()  # a step idling on a KV transfer or compile returns for it
         if self._loop_task is None or self._loop_task.done():
-            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+            loop = asyncio.get_running_loop()
+            self._hook_transfers(loop)
+            self._loop_task = loop.create_task(self._run())
+
+    def _hook_transfers(self, loop: asyncio.AbstractEventLoop) -> None:
+        """An early KV export's delta (`Request.export_early`) goes to its sink as soon as
+        the transfer worker has it, from that thread through this loop, not at the next
+        step: its reader fetches and imports it while the prompt's next step runs."""
+        transfers = getattr(self.engine, "transfers", None)
+        if transfers is None:  # an engine stand-in
+            return
+
+        def deliver(delta: RequestDelta) -> None:
+            sink = self._sinks.get(delta.request_id)
+            if sink is not None:
+                sink(delta)
+
+        def from_worker(delta: RequestDelta) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+                loop.call_soon_threadsafe(deliver, delta)
+
+        transfers.on_early = from_worker
 
     def _apply_commands(self) -> None:
         commands, self._commands = self._commands, []

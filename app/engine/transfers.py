@@ -36,6 +36,7 @@ import dataclasses
 import logging
 import queue
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,6 +67,7 @@ class ExportJob:
     first: int = 0  # the chunks start at this token (earlier ones were exported early)
     read_from: int = 0  # block_ids[read_from:] hold them (all of block_ids are released)
     final: bool = True  # False: an early export (its delta neither ends nor closes anything)
+    delivered: bool = False  # its delta went out from the worker (``Transfers.on_early``)
 
 
 @dataclass(eq=False, slots=True)
@@ -113,6 +115,10 @@ class Transfers:
         # releases the GIL); CPU replicas hash in the same pass as each copy, which measured
         # cheaper there (bench/kv_transfer.py; docs/kv_transfer.md, "What it costs").
         self._tagger: ThreadPoolExecutor | None = None
+        # Where the worker hands an early export's delta at once (any thread; set by the
+        # AsyncEngine): else it waits for the next step's poll, which on a prefill of two
+        # steps comes only after the last one, too late to overlap anything
+        self.on_early: Callable[[RequestDelta], None] | None = None
 
     @property
     def busy(self) -> bool:
@@ -191,8 +197,8 @@ class Transfers:
                     continue
                 if job.final:
                     out.deltas.append(_exported(job.delta, result, error))
-                elif error is None:  # a failed early export leaves a gap: its reader
-                    out.deltas.append(_exported(job.delta, result, None))  # recomputes on
+                elif error is None and not job.delivered:  # a failed early export leaves a
+                    out.deltas.append(_exported(job.delta, result, None))  # gap: recomputed
             elif job.cancelled or error is not None:
                 self.blocks.release_hold(job.hold)
                 if not job.cancelled:
@@ -245,7 +251,12 @@ class Transfers:
     # --- worker thread --------------------------------------------------------------
     def _loop(self) -> None:
         while (job := self._todo.get()) is not None:
-            self._done.put((job, *self._run(job)))
+            result, error = self._run(job)
+            early = isinstance(job, ExportJob) and not job.final
+            if early and error is None and self.on_early is not None and not job.cancelled:
+                job.delivered = True  # before the done queue: poll must not send it again
+                self.on_early(_exported(job.delta, result, None))
+            self._done.put((job, result, error))
             self._signal.set()
 
     def _run(self, job) -> tuple[Any, BaseException | None]:

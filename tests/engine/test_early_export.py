@@ -137,3 +137,39 @@ def test_an_import_of_nothing_usable_ends_at_once(llama_path):
     other = [PROMPT[0] + 1] + PROMPT[1:32]  # the chunk does not continue this prompt
     (ended,) = run(decode, Request("i", other, kv_import=wire(parts[0]), import_only=True))
     assert ended.finished and not decode.blocks.cached
+
+
+def test_an_early_part_reaches_its_reader_while_the_next_step_runs(llama_path):
+    """Through the AsyncEngine, an early export's delta goes out from the transfer worker at
+    once (`Transfers.on_early`), not at the next step's poll: with steps of 0.2 s, the
+    first part (computed by step 1) arrives before step 2 ends. Seen failing (it arrived
+    after step 2) without the AsyncEngine's hook."""
+    import asyncio
+    import time
+
+    from app.engine.async_engine import AsyncEngine
+
+    engine = make_engine(llama_path)
+    ended: list[float] = []
+    step, run = engine.step, engine.runner.run
+
+    def slow_run(plan):
+        time.sleep(0.2)
+        return run(plan)
+
+    def timed_step():
+        out = step()
+        ended.append(time.perf_counter())
+        return out
+
+    engine.step, engine.runner.run = timed_step, slow_run
+
+    async def main() -> float:
+        request = Request("p", PROMPT, GREEDY, prefill_only=True, export_early=True)
+        async for delta in AsyncEngine(engine).generate(request):
+            if delta.exported_chunks and not delta.finished:
+                return time.perf_counter()
+        raise AssertionError("no early part")
+
+    arrived = asyncio.run(main())
+    assert len(ended) >= 2 and arrived < ended[1] - 0.05, (arrived, ended)  # step 2's end
