@@ -26,6 +26,10 @@ class AsyncEngine:
         self._loop_task: asyncio.Task | None = None
         self._wake = asyncio.Event()
         self._done: dict[str, set[int]] = {}  # finished output indices per request
+        # prefill-only requests: whether their token went out (their export's final delta,
+        # handed over by the transfer worker, is held here until it has)
+        self._exports: dict[str, bool] = {}
+        self._held: dict[str, RequestDelta] = {}
 
     async def generate(self, request: Request) -> AsyncIterator[RequestDelta]:
         """Streams the request's deltas; cancelling the consumer aborts the request."""
@@ -70,12 +74,16 @@ class AsyncEngine:
             # running request's stream and abort it.
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self._sinks[request.request_id] = sink
+        if request.prefill_only:  # its export's final delta waits for its token
+            self._exports[request.request_id] = False
         self._submit(("add", request))
 
     def _close(self, request_id: str) -> None:
         if self._sinks.pop(request_id, None) is not None:
             self._submit(("abort", request_id))
             self._done.pop(request_id, None)
+        self._exports.pop(request_id, None)
+        self._held.pop(request_id, None)
 
     def abort(self, request_id: str) -> None:
         self._submit(("abort", request_id))
@@ -98,23 +106,44 @@ class AsyncEngine:
             self._loop_task = loop.create_task(self._run())
 
     def _hook_transfers(self, loop: asyncio.AbstractEventLoop) -> None:
-        """An early KV export's delta (`Request.export_early`) goes to its sink as soon as
-        the transfer worker has it, from that thread through this loop, not at the next
-        step: its reader fetches and imports it while the prompt's next step runs."""
+        """A KV export's delta goes to its sink as soon as the transfer worker has it, from
+        that thread through this loop, not after the next step: an early part
+        (`Request.export_early`) is fetched and imported while the prompt's next step runs,
+        and the final one reaches the decode replica while this engine runs other prompts.
+        A final delta never overtakes its request's token: it waits for that token's fan-out
+        (`_fan_out`)."""
         transfers = getattr(self.engine, "transfers", None)
         if transfers is None:  # an engine stand-in
             return
 
-        def deliver(delta: RequestDelta) -> None:
-            sink = self._sinks.get(delta.request_id)
-            if sink is not None:
-                sink(delta)
-
         def from_worker(delta: RequestDelta) -> None:
             with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
-                loop.call_soon_threadsafe(deliver, delta)
+                loop.call_soon_threadsafe(self._exported, delta)
 
-        transfers.on_early = from_worker
+        transfers.on_export = from_worker
+
+    def _exported(self, delta: RequestDelta) -> None:
+        rid = delta.request_id
+        if delta.finished and self._exports.get(rid) is False:  # its token is not out yet
+            self._held[rid] = delta
+            return
+        sink = self._sinks.get(rid)
+        if sink is not None:
+            sink(delta)
+
+    def _fan_out(self, deltas: list[RequestDelta]) -> None:
+        """A step's deltas to their sinks, in order; then the final export delta each
+        exporting request's token was waiting for."""
+        for delta in deltas:
+            rid = delta.request_id
+            sink = self._sinks.get(rid)
+            if sink is not None:
+                sink(delta)
+            if delta.new_token_ids and self._exports.get(rid) is False:
+                self._exports[rid] = True
+                held = self._held.pop(rid, None)
+                if held is not None:
+                    self._exported(held)
 
     def _apply_commands(self) -> None:
         commands, self._commands = self._commands, []
@@ -144,10 +173,7 @@ class AsyncEngine:
                 for sink in list(self._sinks.values()):
                     sink(e)
                 return  # the next request restarts the loop (and fails the same way)
-            for delta in deltas:  # one synchronous fan-out per step (module docstring)
-                sink = self._sinks.get(delta.request_id)
-                if sink is not None:
-                    sink(delta)
+            self._fan_out(deltas)  # one synchronous fan-out per step (module docstring)
 
 
 def _checked(item: RequestDelta | BaseException) -> RequestDelta:

@@ -67,7 +67,7 @@ class ExportJob:
     first: int = 0  # the chunks start at this token (earlier ones were exported early)
     read_from: int = 0  # block_ids[read_from:] hold them (all of block_ids are released)
     final: bool = True  # False: an early export (its delta neither ends nor closes anything)
-    delivered: bool = False  # its delta went out from the worker (``Transfers.on_early``)
+    delivered: bool = False  # its delta went out from the worker (``Transfers.on_export``)
 
 
 @dataclass(eq=False, slots=True)
@@ -115,10 +115,12 @@ class Transfers:
         # releases the GIL); CPU replicas hash in the same pass as each copy, which measured
         # cheaper there (bench/kv_transfer.py; docs/kv_transfer.md, "What it costs").
         self._tagger: ThreadPoolExecutor | None = None
-        # Where the worker hands an early export's delta at once (any thread; set by the
-        # AsyncEngine): else it waits for the next step's poll, which on a prefill of two
-        # steps comes only after the last one, too late to overlap anything
-        self.on_early: Callable[[RequestDelta], None] | None = None
+        # Where the worker hands an export's delta (early or final) at once, from its own
+        # thread (set by the AsyncEngine): else it waits for the next step's poll, which
+        # comes only after the step running meanwhile (measured: a 1,000-token prompt's
+        # early part came after its last step; at 8 streams of long prompts every final
+        # delta waited for another prompt's step). The blocks still go back at the poll.
+        self.on_export: Callable[[RequestDelta], None] | None = None
 
     @property
     def busy(self) -> bool:
@@ -193,12 +195,12 @@ class Transfers:
                 del self._jobs[job.request_id]
             if isinstance(job, ExportJob):
                 self.blocks.release(job.block_ids)
-                if job.cancelled:
+                if job.cancelled or job.delivered:
                     continue
                 if job.final:
                     out.deltas.append(_exported(job.delta, result, error))
-                elif error is None and not job.delivered:  # a failed early export leaves a
-                    out.deltas.append(_exported(job.delta, result, None))  # gap: recomputed
+                elif error is None:  # a failed early export leaves a gap: recomputed on
+                    out.deltas.append(_exported(job.delta, result, None))
             elif job.cancelled or error is not None:
                 self.blocks.release_hold(job.hold)
                 if not job.cancelled:
@@ -252,12 +254,18 @@ class Transfers:
     def _loop(self) -> None:
         while (job := self._todo.get()) is not None:
             result, error = self._run(job)
-            early = isinstance(job, ExportJob) and not job.final
-            if early and error is None and self.on_early is not None and not job.cancelled:
+            if self._deliverable(job, error):
                 job.delivered = True  # before the done queue: poll must not send it again
-                self.on_early(_exported(job.delta, result, None))
+                self.on_export(_exported(job.delta, result, error))
             self._done.put((job, result, error))
             self._signal.set()
+
+    def _deliverable(self, job, error: BaseException | None) -> bool:
+        """Whether the worker hands this job's delta out itself (an export, not cancelled;
+        a failed early export delivers nothing)."""
+        if not isinstance(job, ExportJob) or self.on_export is None or job.cancelled:
+            return False
+        return job.final or error is None
 
     def _run(self, job) -> tuple[Any, BaseException | None]:
         """(result, None) or (None, error): never raises, so no job is left hanging."""

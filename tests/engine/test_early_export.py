@@ -139,9 +139,31 @@ def test_an_import_of_nothing_usable_ends_at_once(llama_path):
     assert ended.finished and not decode.blocks.cached
 
 
+def slowed(engine: Engine, step_s: float = 0.2, after_s: float = 0.0) -> list[float]:
+    """Makes every step of ``engine`` take ``step_s`` more, and ``after_s`` between its
+    end and its fan-out; -> the steps' end times."""
+    import time
+
+    ended: list[float] = []
+    step, run = engine.step, engine.runner.run
+
+    def slow_run(plan):
+        time.sleep(step_s)
+        return run(plan)
+
+    def timed_step():
+        out = step()
+        ended.append(time.perf_counter())
+        time.sleep(after_s)
+        return out
+
+    engine.step, engine.runner.run = timed_step, slow_run
+    return ended
+
+
 def test_an_early_part_reaches_its_reader_while_the_next_step_runs(llama_path):
     """Through the AsyncEngine, an early export's delta goes out from the transfer worker at
-    once (`Transfers.on_early`), not at the next step's poll: with steps of 0.2 s, the
+    once (`Transfers.on_export`), not at the next step's poll: with steps of 0.2 s, the
     first part (computed by step 1) arrives before step 2 ends. Seen failing (it arrived
     after step 2) without the AsyncEngine's hook."""
     import asyncio
@@ -150,19 +172,7 @@ def test_an_early_part_reaches_its_reader_while_the_next_step_runs(llama_path):
     from app.engine.async_engine import AsyncEngine
 
     engine = make_engine(llama_path)
-    ended: list[float] = []
-    step, run = engine.step, engine.runner.run
-
-    def slow_run(plan):
-        time.sleep(0.2)
-        return run(plan)
-
-    def timed_step():
-        out = step()
-        ended.append(time.perf_counter())
-        return out
-
-    engine.step, engine.runner.run = timed_step, slow_run
+    ended = slowed(engine)
 
     async def main() -> float:
         request = Request("p", PROMPT, GREEDY, prefill_only=True, export_early=True)
@@ -173,3 +183,45 @@ def test_an_early_part_reaches_its_reader_while_the_next_step_runs(llama_path):
 
     arrived = asyncio.run(main())
     assert len(ended) >= 2 and arrived < ended[1] - 0.05, (arrived, ended)  # step 2's end
+
+
+def test_a_final_export_goes_out_after_its_token_without_waiting_for_a_step(llama_path):
+    """Another request keeps the engine stepping (0.2 s a step): a short prefill-only
+    request's final delta (its chunks) goes out as soon as the transfer worker has it,
+    after its token, not at the end of the step that runs meanwhile. Seen failing (0.2 s
+    after the token) with the AsyncEngine's hook removed, and (the chunks before the
+    token: the stream ended without it) with the final delta not held for its token."""
+    import asyncio
+    import time
+
+    from app.engine.async_engine import AsyncEngine
+    from app.engine.sampling_params import SamplingParams
+
+    engine = make_engine(llama_path)
+    slowed(engine, after_s=0.05)  # the export is done before its token's fan-out
+    busy = Request(
+        "busy", PROMPT[:8], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    )
+
+    async def main() -> list:
+        async_engine = AsyncEngine(engine)
+        background = asyncio.ensure_future(_drain(async_engine.generate(busy)))
+        await asyncio.sleep(0.3)  # "busy" is decoding
+        got = []
+        async for delta in async_engine.generate(
+            Request("p", PROMPT[:40], GREEDY, prefill_only=True)
+        ):
+            got.append((delta, time.perf_counter()))
+        background.cancel()
+        await asyncio.gather(background, return_exceptions=True)
+        return got
+
+    (token, t_token), (final, t_final) = asyncio.run(main())
+    assert token.new_token_ids and not token.finished  # the token first, then the chunks
+    assert final.finished and final.exported_chunks
+    assert t_final - t_token < 0.1, t_final - t_token
+
+
+async def _drain(deltas) -> None:
+    async for _ in deltas:
+        pass
