@@ -174,11 +174,14 @@ class DecodeServer(EngineReplica):
                 yield delta
 
 
+def _end(chunks: list[KVChunk]) -> int:
+    """The prompt position after ``chunks`` (consecutive, from position 0)."""
+    return chunks[-1].meta.start_pos + chunks[-1].meta.num_tokens if chunks else 0
+
+
 def _continues(chunks: list[KVChunk], start: int) -> bool:
     """Whether chunks starting at ``start`` continue ``chunks`` (from position 0)."""
-    if not chunks:
-        return start == 0
-    return chunks[-1].meta.start_pos + chunks[-1].meta.num_tokens == start
+    return _end(chunks) == start
 
 
 class _PartImports:
@@ -223,6 +226,13 @@ class _PartImports:
             fetch.cancel()
             raise
         if self.broken or not _continues(self.chunks, part.start) or not fetched.chunks:
+            if not self.broken:
+                log.warning(
+                    "%s: the hand-off's part at token %d is not used (imported up to %d, %d "
+                    "of %d chunks fetched): the decode replica recomputes from there",
+                    self.gen.request_id, part.start, _end(self.chunks), len(fetched.chunks),
+                    len(part.chunks),
+                )  # fmt: skip
             self.broken = True
             return
         self._count += 1
