@@ -1,6 +1,6 @@
 """The overlapped KV hand-off, served: `slimserve serve` disaggregated with every prompt
 prefilled on the prefill replica (`--local-prefill-max-tokens 0`), the overlapped hand-off
-on (the default) and off (`overlap_hand_off_min_tokens: 0`), alternated run by run on the
+on (the default) and off (`overlap_hand_off: false`), alternated run by run on the
 same box, with our streaming client (bench/sse_client.py).
 
 Per prompt length and concurrency: TTFT p50, the time from the first token to the second
@@ -29,25 +29,24 @@ from bench.serve_vs_vllm import ROOT, start_ours  # noqa: E402
 from bench.sse_client import closed_loop  # noqa: E402
 
 GEN = 16  # the default model's context is 1,024 tokens
-VARIANTS = {"overlapped": None, "after the token": 0}  # overlap_hand_off_min_tokens
+VARIANTS = {"overlapped": True, "after the token": False}  # ServeArgs.overlap_hand_off
 
 
-def variant_config(min_tokens: int | None) -> str:
-    """deploy/local.yaml with the overlapped hand-off's threshold set (None: the default)."""
+def variant_config(overlap: bool) -> str:
+    """deploy/local.yaml with the overlapped hand-off on or off."""
     import yaml
 
     with open(os.path.join(ROOT, "deploy", "local.yaml")) as f:
         cfg = yaml.safe_load(f)
-    if min_tokens is not None:
-        cfg["applications"][0]["args"]["overlap_hand_off_min_tokens"] = min_tokens
+    cfg["applications"][0]["args"]["overlap_hand_off"] = overlap
     fd, path = tempfile.mkstemp(suffix=".yaml", prefix="handoff_overlap_")
     with os.fdopen(fd, "w") as f:
         yaml.safe_dump(cfg, f)
     return path
 
 
-def one_run(name: str, min_tokens: int | None, args, seed: int) -> dict:
-    server = start_ours(None, "disaggregated-always", variant_config(min_tokens))
+def one_run(name: str, overlap: bool, args, seed: int) -> dict:
+    server = start_ours(None, "disaggregated-always", variant_config(overlap))
     cells = {}
     try:
         for plen in args.prompt_lens:
@@ -78,8 +77,8 @@ def main() -> None:
     args = p.parse_args()
     runs = []
     for r in range(args.runs):
-        for name, min_tokens in VARIANTS.items():  # alternated: the box's load drifts
-            runs.append(one_run(name, min_tokens, args, seed=100 * r))
+        for name, overlap in VARIANTS.items():  # alternated: the box's load drifts
+            runs.append(one_run(name, overlap, args, seed=100 * r))
             print(runs[-1], flush=True)
     table = summary(runs)
     write_json(args.name, {"conditions": machine_conditions(), "gen": GEN, "runs": runs,

@@ -122,7 +122,13 @@ def engine_depth(model: str, prompts, c: int) -> dict:
 def handle_depth(mode: str, prompts, c: int) -> dict:
     from ray import serve
 
-    from app.serve.messages import DecodeRequest, GenerateRequest, HandOff, RoutingInfo
+    from app.serve.messages import (
+        DecodeRequest,
+        GenerateRequest,
+        HandOff,
+        HandOffStarted,
+        RoutingInfo,
+    )
 
     async def one(p):
         gen = GenerateRequest(uuid.uuid4().hex, p, params(), None, RoutingInfo(len(p)))
@@ -132,7 +138,9 @@ def handle_depth(mode: str, prompts, c: int) -> dict:
             return await timed_stream(h.options(stream=True).generate.remote(gen), start)
         prefill = serve.get_deployment_handle("PrefillServer", "hops").options(stream=True)
         items = prefill.prefill.remote(gen)
-        await anext(items)  # the first token
+        async for item in items:  # the first token (after an overlapped hand-off's start)
+            if not isinstance(item, HandOffStarted):
+                break
         first = time.perf_counter() - start
         async for _ in items:  # its result, posted to the hand-off box
             pass

@@ -90,13 +90,11 @@ class ServeArgs(BaseModel):
     # None: every prompt shorter than one chunk (engine.chunk_tokens - 1); 0: every prompt
     # goes through a prefill replica. A prefill routing hint also sends it there.
     local_prefill_max_tokens: int | None = Field(default=None, ge=0)
-    # Disaggregated, the overlapped hand-off (docs/kv_transfer.md): the prefill replica
-    # publishes each KV chunk as soon as its engine has computed it, and a prompt longer
-    # than this many tokens has its decode call placed with its prefill, so the decode
-    # replica fetches and imports the first chunks while the rest is computed. None: a
-    # prompt that takes more than one prefill step (engine.long_prefill_chunk); 0: off
-    # (the prompt's KV is published after its first token, then handed off whole).
-    overlap_hand_off_min_tokens: int | None = Field(default=None, ge=0)
+    # Disaggregated, the overlapped hand-off (docs/serving.md): a prompt computed over
+    # several steps has the KV chunks of each step published as soon as it ends, and its
+    # decode call placed then, so the decode replica fetches and imports them while the
+    # rest is computed. False: the prompt's KV is published after its first token.
+    overlap_hand_off: bool = True
     replica_num_cpus: float = Field(default=0.0, ge=0)
     replica_num_gpus: float = Field(default=0.0, ge=0)
     # Backpressure: beyond these, requests get HTTP 429 with Retry-After.
@@ -147,14 +145,6 @@ class ServeArgs(BaseModel):
                 "which shares the chunk through the store"
             )
         return self
-
-    @property
-    def overlap_hand_off_tokens(self) -> int:
-        """Prompts longer than this get an overlapped hand-off's early decode call; 0: the
-        overlapped hand-off is off."""
-        if self.overlap_hand_off_min_tokens is None:
-            return self.engine.long_prefill_chunk
-        return self.overlap_hand_off_min_tokens
 
     @property
     def local_prefill_tokens(self) -> int:

@@ -37,6 +37,7 @@ from app.serve.messages import (
     DecodeRequest,
     GenerateRequest,
     HandOff,
+    HandOffStarted,
     PrefillResult,
 )
 from app.serve.metrics import ReplicaMetrics
@@ -77,7 +78,6 @@ class RequestDriver:
         record_placement: bool = False,
         hand_offs: HandOffs | None = None,
         local_prefill_tokens: int = 0,
-        overlap_tokens: int = 0,
         inbox: DeltaInbox | None = None,
         load_view: LoadView | None = None,
         placement_config: PlacementConfig | None = None,
@@ -97,9 +97,6 @@ class RequestDriver:
         # Disaggregated: a prompt of at most this many tokens prefills on its decode replica
         # (ServeArgs.local_prefill_max_tokens); 0: none does
         self.local_prefill_tokens = local_prefill_tokens
-        # Disaggregated: a longer prompt's decode call is placed with its prefill call (an
-        # overlapped hand-off, ServeArgs.overlap_hand_off_min_tokens); 0: after its token
-        self.overlap_tokens = overlap_tokens
         # Disaggregated: the replicas' load and the policy that places each prefill by it
         # (app/serve/routing/prefill_placement.py); None: the prompt-length rule alone
         self.load_view, self.placement_config = load_view, placement_config
@@ -217,25 +214,28 @@ class RequestDriver:
         replica waits in the hand-off box for the prefill's result, which the prefill
         replica posts once the prompt's KV is published), and the token goes out once the
         decode call has a replica (a full decode deployment still answers 429 before any
-        byte). A prompt longer than ``overlap_tokens`` has its decode call placed at once:
-        its replica takes the parts of the prompt's KV the prefill replica posts as they
-        are computed, then the result (cancelled if the token ends the choice). The
-        prefill's result follows on its stream: a result with no chunk refs
+        byte). An overlapped hand-off (a prompt computed over several steps) places the
+        decode call earlier, when the prefill stream says its first part is in the box
+        (`HandOffStarted`): its replica imports the parts as they are computed, then takes
+        the result (the call is cancelled if the token ends the choice). A decode call so
+        holds a decode slot only while its prompt is being computed, not while it waits in
+        the prefill replica's queue. The prefill's result follows on its stream: a result
+        with no chunk refs
         (in-band KV) comes back whole and is posted here. No Ray ref crosses the ingress:
         Serve's by-value transport would pickle it outside Ray, which pins the object."""
         key = HandOff(gen.request_id).key
         prefill = serve_stream(self.prefill.options(stream=True).prefill.remote(gen))
         settled = False  # nothing of this choice can stay in the hand-off box
         call = None  # the decode call, once placed
-        if 0 < self.overlap_tokens < len(gen.prompt_token_ids):  # an overlapped hand-off:
-            # placed now, its replica imports the prompt's first chunks as they are computed
-            call = self._generate(self.decode, _decode_request(gen, HandOff(key)))
         try:
             try:
                 item = await anext(prefill)
             except BackPressureError:  # refused before any byte: it never runs nor posts
                 settled = True
                 raise
+            if isinstance(item, HandOffStarted):  # its parts are coming: decode imports them
+                call = self._generate(self.decode, _decode_request(gen, HandOff(key)))
+                item = await anext(prefill)
             first = item.first if isinstance(item, PrefillResult) else item
             if first.finish_reason in DONE_REASONS:  # the replica posts no result (and
                 settled = call is None  # discards its parts; so does the early decode call)

@@ -83,7 +83,6 @@ class Ingress(GrpcIngress):  # gRPC adapter: app/serve/grpc_api/grpc_servicer.py
         self.driver = RequestDriver(
             metrics, prefill, decode, engine, hints, hand_offs=hand_offs,
             local_prefill_tokens=local, inbox=inbox, load_view=view, placement_config=config,
-            overlap_tokens=self.args.overlap_hand_off_tokens if prefill is not None else 0,
         )  # fmt: skip
         self.normalizer = RequestNormalizer(
             self.args, self.model_name, self.tokenizer, self.driver.describe

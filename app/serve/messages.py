@@ -78,6 +78,15 @@ class HandOffPart:
 
 
 @dataclass(frozen=True, slots=True)
+class HandOffStarted:
+    """On the prefill stream before the first token: the first part of the choice's
+    overlapped hand-off is in the box, so its decode call may be placed now (it imports the
+    parts while the rest of the prompt is computed). No Ray ref: it crosses Serve."""
+
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
 class HandOff:
     """Where the decode replica finds the prefill's result: posted under ``key`` to the
     store's hand-off box (app/kvstore/handoff.py), by the prefill replica (its KV has chunk

@@ -13,7 +13,7 @@ from ray.serve.exceptions import BackPressureError
 from app.engine.sampling_params import SamplingParams
 from app.serve.api.normalize import NormalizedRequest
 from app.serve.driver import RequestDriver
-from app.serve.messages import HandOff, PrefillResult
+from app.serve.messages import HandOff, HandOffStarted, PrefillResult
 from app.serve.metrics import ReplicaMetrics
 from serve.test_driver import DESCRIBE, _Method, delta
 
@@ -67,8 +67,13 @@ class _Setup:
     result (posted to the box first unless ``in_band``, as PrefillServer does), and a decode
     stream that takes the result from the box and gives ``rest``."""
 
-    def __init__(self, first, rest, in_band=False, refuse_prefill=None, refuse_decode=None):
+    def __init__(
+        self, first, rest, in_band=False, refuse_prefill=None, refuse_decode=None, started=False
+    ):
         self.calls: list[str] = []
+        # an overlapped hand-off: `HandOffStarted` first, the token once `token_gate` is set
+        self.started = started
+        self.token_gate: asyncio.Future | None = None
         self.box = _Box()
         self.first, self.rest, self.in_band = first, rest, in_band
         self.released: asyncio.Future | None = None
@@ -85,8 +90,12 @@ class _Setup:
     def _p(self, gen):
         self.calls.append("prefill")
         self.released = asyncio.get_running_loop().create_future()
+        self.token_gate = asyncio.get_running_loop().create_future()
 
         async def run():
+            if self.started:
+                yield HandOffStarted(gen.request_id)
+                await self.token_gate
             yield self.first
             await self.released  # raises what `fail` set
             result = PrefillResult(gen.request_id, self.first, [], "p-0", posted=not self.in_band)
@@ -232,3 +241,44 @@ def test_a_client_leaving_mid_stream_cancels_both_calls_and_discards_the_key():
     asyncio.run(go())
     assert "prefill.cancelled" in setup.calls and "decode.cancelled" in setup.calls
     assert setup.box.discarded == ["e-0"]
+
+
+def test_a_started_hand_off_places_the_decode_call_before_the_token():
+    """An overlapped hand-off: the prefill stream says its first part is in the box
+    (`HandOffStarted`) before the token; the decode call is placed then, so its replica
+    imports the parts while the prompt is computed. Seen failing (no decode call until the
+    token) with the marker skipped."""
+    setup = _Setup(FIRST, REST, started=True)
+
+    async def go():
+        stream = await setup.driver().start(_request())
+        head = asyncio.ensure_future(stream.first())
+        for _ in range(100):
+            if "decode" in setup.calls:
+                break
+            await asyncio.sleep(0.01)
+        placed_before_token = "decode" in setup.calls and not head.done()
+        setup.token_gate.set_result(None)
+        setup.released.set_result(None)
+        return placed_before_token, await head, (await stream.collect(timeout_s=10))[0]
+
+    placed_before_token, head, rest = asyncio.run(go())
+    assert placed_before_token
+    assert "".join(d.text_delta for d in [head, *rest]) == "Hello"
+    assert setup.box.posted == ["e-0"] and setup.box.discarded == []
+
+
+def test_a_started_hand_off_whose_token_ends_the_choice_cancels_the_decode_call():
+    """The token ends the choice after the decode call was placed: the call is cancelled and
+    the key discarded (the parts posted must not wait in the box). Seen failing (no discard)
+    with `settled` set as when no decode call was placed."""
+    setup = _Setup(delta([2], "", finished=True, reason="stop"), REST, started=True)
+
+    async def go():
+        stream = await setup.driver().start(_request())
+        asyncio.get_running_loop().call_later(0.02, lambda: setup.token_gate.set_result(None))
+        return (await stream.collect(timeout_s=10))[0]
+
+    got = asyncio.run(go())
+    assert got[-1].finish_reason == "stop"
+    assert "decode.cancelled" in setup.calls and setup.box.discarded == ["e-0"]

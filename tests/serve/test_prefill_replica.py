@@ -14,7 +14,7 @@ import numpy as np
 from app.engine.request import RequestDelta
 from app.engine.sampling_params import SamplingParams
 from app.kvstore.store import StoredChunk
-from app.serve.messages import GenerateRequest
+from app.serve.messages import GenerateRequest, HandOffStarted
 from app.serve.metrics import ReplicaMetrics
 from app.serve.replicas.prefill import PrefillServer
 from serve.step_engine import StepEngine
@@ -262,9 +262,10 @@ class EarlyExportEngine(StepEngine):
     """A prefill-only request exporting early (`Request.export_early`): a part before the
     token, one after it, then the final delta with the chunks after them."""
 
-    def __init__(self):
+    def __init__(self, token_gate: threading.Event | None = None):
         super().__init__()
         self.requests: list = []
+        self.token_gate = token_gate  # set: the token's step may run
 
     def add_request(self, request) -> None:
         self.requests.append(request)
@@ -278,6 +279,9 @@ class EarlyExportEngine(StepEngine):
                 start = 0 if state[1] == 1 else 4
                 out.append(RequestDelta(rid, 0, [], "", exported_chunks=[_exported(start)]))
             elif state[1] == 2:
+                if self.token_gate is not None and not self.token_gate.wait(0.01):
+                    state[1] -= 1  # not yet: this step again
+                    continue
                 out.append(RequestDelta(rid, 0, [1], "t1 ", finished=False))
             else:
                 final = [_exported(8, 2)]
@@ -308,3 +312,24 @@ def test_chunks_exported_early_are_posted_as_parts_before_the_result():
     assert [(p.start, p.chunks) for p in parts] == [(0, [PUBLISHED]), (4, [PUBLISHED])]
     assert values[2][1].chunks == [PUBLISHED] and values[2][1].chunks_start == 8
     assert result.posted and result.chunks_start == 8
+
+
+def test_the_stream_says_the_hand_off_started_before_the_token():
+    """Once the first part is in the box (the prompt still being computed), the stream's
+    first item is `HandOffStarted`, so the ingress places the decode call then; the token
+    and the result follow. Seen failing (the token came first, after the gate) with the
+    stream not waiting on the first post."""
+    gate = threading.Event()
+
+    async def main():
+        server, release, _ = _publish_held(EarlyExportEngine(gate))
+        release.set()
+        gen = GenerateRequest("r-0", [1, 2, 3], SamplingParams(max_tokens=2))
+        stream = server.prefill(gen)
+        head = await asyncio.wait_for(anext(stream), 10)  # the token's step is held
+        gate.set()
+        return head, [item async for item in stream]
+
+    head, rest = asyncio.run(main())
+    assert head == HandOffStarted("r-0")
+    assert rest[0].new_token_ids == [1] and rest[1].posted and rest[1].chunks_start == 8

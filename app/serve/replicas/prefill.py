@@ -18,7 +18,14 @@ from app.engine.request import Request, RequestDelta, RequestError
 from app.kv.chunk import KVChunk
 from app.kvstore.store import StoredChunk
 from app.kvstore.transfer import publish
-from app.serve.messages import DONE_REASONS, GenerateRequest, HandOff, HandOffPart, PrefillResult
+from app.serve.messages import (
+    DONE_REASONS,
+    GenerateRequest,
+    HandOff,
+    HandOffPart,
+    HandOffStarted,
+    PrefillResult,
+)
 from app.serve.replicas.engine_replica import EngineReplica
 from app.serve.replicas.replica import is_full
 from app.serve.streaming import merge
@@ -39,23 +46,31 @@ class PrefillServer(EngineReplica):
         super().__init__(args)
         self._handing_over: set[asyncio.Task] = set()  # may outlive their cancelled call
 
-    async def prefill(self, req: GenerateRequest) -> AsyncIterator[RequestDelta | PrefillResult]:
+    async def prefill(
+        self, req: GenerateRequest
+    ) -> AsyncIterator[HandOffStarted | RequestDelta | PrefillResult]:
         """The prefill as a Serve stream: the first token as soon as the engine samples it
-        (before the KV export and the store puts), then the result. A result whose KV has
-        chunk refs is posted to the store's hand-off box under the choice's key
+        (before the KV export and the store puts), then the result; before them, an
+        overlapped hand-off's `HandOffStarted` once its first part is in the box. A result
+        whose KV has chunk refs is posted to the store's hand-off box under the choice's key
         (`HandOff`), for the decode replica, and comes here without them: no Ray ref
         travels back through Serve, whose by-value transport pickles outside Ray (an
         `ObjectRef` pickled so is pinned for its owner's life). One whose KV is in-band
         comes whole (the ingress posts it); one whose token ended the choice comes without
         its chunks (nothing to hand off)."""
-        token: asyncio.Future[RequestDelta] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        token: asyncio.Future[RequestDelta] = loop.create_future()
+        started: asyncio.Future[None] = loop.create_future()  # the first part is posted
 
         async def on_first(first: RequestDelta) -> None:
             token.set_result(first)
 
-        work = asyncio.ensure_future(self._prefill_handed_off(req, on_first))
+        work = asyncio.ensure_future(self._prefill_handed_off(req, on_first, started))
         try:
-            await asyncio.wait({token, work}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({token, work, started}, return_when=asyncio.FIRST_COMPLETED)
+            if started.done() and not token.done():
+                yield HandOffStarted(req.request_id)
+                await asyncio.wait({token, work}, return_when=asyncio.FIRST_COMPLETED)
             if token.done():
                 yield token.result()
             yield await work
@@ -63,9 +78,12 @@ class PrefillServer(EngineReplica):
             work.cancel()  # done by now unless the caller left; the publish is shielded
 
     async def _prefill_handed_off(
-        self, req: GenerateRequest, on_first: Callable[[RequestDelta], Awaitable[None]]
+        self,
+        req: GenerateRequest,
+        on_first: Callable[[RequestDelta], Awaitable[None]],
+        started: asyncio.Future[None] | None = None,
     ) -> PrefillResult:
-        result = await self._prefill(req, on_first)
+        result = await self._prefill(req, on_first, started)
         if result.first.finish_reason in DONE_REASONS:  # no decode call: nothing to hand
             if result.chunks_start:  # over (the store keeps its own): parts posted go
                 self.hand_offs.discard(HandOff(req.request_id).key)
@@ -80,6 +98,7 @@ class PrefillServer(EngineReplica):
         self,
         req: GenerateRequest,
         on_first: Callable[[RequestDelta], Awaitable[None]] | None = None,
+        started: asyncio.Future[None] | None = None,
     ) -> PrefillResult:
         host, prompt = self.host, req.prompt_token_ids
         host.inflight_tokens += len(prompt)
@@ -92,12 +111,12 @@ class PrefillServer(EngineReplica):
                 cache_salt=req.cache_salt,
                 kv_import=fetched.chunks or None,
                 prefill_only=True,
-                export_early=self.args.overlap_hand_off_tokens > 0,
+                export_early=self.args.overlap_hand_off,
             )
             deltas = host.metrics.timed(  # timed: TTFT as this replica sees it
                 host.async_engine.generate(request), len(prompt), count=False
             )
-            parts = _Parts(self, HandOff(req.request_id).key, reused)
+            parts = _Parts(self, HandOff(req.request_id).key, reused, started)
             try:
                 first = await parts.until_token(deltas)  # the token, ahead of the KV export
             except BaseException:
@@ -197,7 +216,7 @@ class PrefillServer(EngineReplica):
 
 
 class _Parts:
-    """A prefill's overlapped hand-off (ServeArgs.overlap_hand_off_min_tokens): each group
+    """A prefill's overlapped hand-off (ServeArgs.overlap_hand_off): each group
     of chunks its engine exported before the end (`Request.export_early`) is published
     and posted to the hand-off box under the result's key as a `HandOffPart`, one after
     another in prompt order, while the engine computes the rest; the result follows them.
@@ -205,8 +224,15 @@ class _Parts:
     are worth their post even if the call is cancelled (its ingress then discards the key,
     and the box drops what comes after)."""
 
-    def __init__(self, server: PrefillServer, key: str, reused: list[StoredChunk]):
+    def __init__(
+        self,
+        server: PrefillServer,
+        key: str,
+        reused: list[StoredChunk],
+        started: asyncio.Future[None] | None = None,  # set once the first part is posted
+    ):
         self.server, self.key, self.reused = server, key, reused
+        self.started = started
         self.end = 0  # the prompt position after the last part
         self._last: asyncio.Task | None = None  # the latest part's post (they chain)
 
@@ -241,6 +267,8 @@ class _Parts:
         if before is not None:  # in prompt order
             await asyncio.gather(before, return_exceptions=True)
         await self.server.hand_offs.post(self.key, HandOffPart(start, published), last=False)
+        if self.started is not None and not self.started.done():
+            self.started.set_result(None)
 
 
 async def all_in_transit(chunks: list[KVChunk]) -> list[StoredChunk]:
