@@ -285,14 +285,14 @@ def test_a_long_prompts_kv_is_handed_off_in_parts_as_it_is_computed(url, offline
     prefill replica posts the chunks of its first two steps as parts while it computes the
     rest, and the decode replica, called with the prefill, imports each part before the
     result comes. The text matches offline and the box holds nothing after. Seen failing
-    (parts_imported unchanged) with the prefill's `export_early` off."""
+    (hand_off_parts unchanged) with the prefill's `export_early` off."""
     decode = serve.get_deployment_handle("DecodeServer", "slimserve")
-    before = decode.stats.remote().result()["parts_imported"]
+    before = decode.stats.remote().result()["hand_off_parts"]
     for replica, seed in enumerate((91, 92)):
         prompt = prompt_ids(seed)
         got = complete(url, prompt, replica=replica)  # remote: the placement may go local
         assert got["choices"][0]["text"] == want_text(offline, prompt)
-    assert decode.stats.remote().result()["parts_imported"] - before == 4
+    assert decode.stats.remote().result()["hand_off_parts"] - before == 4
     box = HandOffs("slimserve-kvstore")
     assert eventually(lambda: asyncio_run(box.stats())["held"] == 0, WAIT_S + 5)
 

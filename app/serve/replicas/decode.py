@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import itertools
 import logging
 from collections.abc import AsyncIterator, Callable, Iterator
 
@@ -30,10 +29,10 @@ class DecodeServer(EngineReplica):
     role = "decode"
     uses_store = True
     local_prefills = 0  # choices given to this replica to prefill (the metric counts them too)
-    parts_imported = 0  # parts of overlapped hand-offs imported before their result came
+    hand_off_parts = 0  # parts of overlapped hand-offs taken before their result (fetched)
 
     async def stats(self) -> dict:
-        mine = {"local_prefills": self.local_prefills, "parts_imported": self.parts_imported}
+        mine = {"local_prefills": self.local_prefills, "hand_off_parts": self.hand_off_parts}
         return {**await super().stats(), **mine}
 
     async def generate(self, req: DecodeRequest) -> AsyncIterator[RequestDelta]:
@@ -137,7 +136,7 @@ class DecodeServer(EngineReplica):
                     result.chunks, gen.prompt_token_ids, verify_tag=False,
                     start=result.chunks_start,
                 ),
-                parts.imported(),
+                parts.ready(),
             )  # fmt: skip
         finally:
             parts.cancel()  # done by now, unless this call was cancelled
@@ -187,17 +186,21 @@ def _continues(chunks: list[KVChunk], start: int) -> bool:
 class _PartImports:
     """The parts of an overlapped hand-off (`HandOffPart`), each fetched as it comes and
     imported into this replica's prefix cache (`Request.import_only`) in prompt order,
-    while the prefill replica computes the rest. The request that continues the prompt
-    imports them again (``imported``): a pin only, its prefix match finds them cached; a
-    chunk evicted meanwhile is written again from the same bytes. A part that cannot be
-    fetched, or a chunk whose tag the import rejects (dropped from the store), ends the
-    run: the tokens after it are recomputed, as for any missing chunk."""
+    while the prefill replica computes the rest. Once the result is in hand, ``ready``
+    gives every chunk fetched so far, those whose import ended marked verified: the request
+    that continues the prompt imports them all again, which for those is a pin (its prefix
+    match finds them; a chunk evicted meanwhile is written again from the same bytes), and
+    imports still running are cancelled rather than waited for (on a busy replica an
+    import ends only at a step's start, so a chain of them would add a step each). A part
+    that cannot be fetched, or a chunk whose tag an import rejects (dropped from the store),
+    ends the run: the tokens after it are recomputed, as for any missing chunk."""
 
     def __init__(self, server: DecodeServer, gen: GenerateRequest):
         self.server, self.host, self.gen = server, server.host, gen
-        self.chunks: list[KVChunk] = []  # imported, tag checked, from position 0
+        self.chunks: list[KVChunk] = []  # fetched, from position 0; verified once imported
         self.broken = False  # a gap: later parts are not used
-        self._last: asyncio.Task | None = None
+        self._fetched: asyncio.Task | None = None  # the parts' fetches, chained in order
+        self._importing: asyncio.Task | None = None  # their imports, chained in order
         self._count = 0
 
     def add(self, part: HandOffPart) -> None:
@@ -206,20 +209,26 @@ class _PartImports:
                 part.chunks, self.gen.prompt_token_ids, verify_tag=False, start=part.start
             )
         )
-        self._last = asyncio.ensure_future(self._import(self._last, part, fetch))
+        self._fetched = asyncio.ensure_future(self._take(self._fetched, part, fetch))
 
-    async def imported(self) -> list[KVChunk]:
-        if self._last is not None:
-            await self._last
-        return self.chunks
+    async def ready(self) -> list[KVChunk]:
+        """The chunks of every part so far, once fetched; imports still running stop."""
+        try:
+            if self._fetched is not None:
+                await self._fetched
+        finally:
+            if self._importing is not None:
+                self._importing.cancel()
+        return list(self.chunks)
 
     def cancel(self) -> None:
-        if self._last is not None:
-            self._last.cancel()
+        for task in (self._fetched, self._importing):
+            if task is not None:
+                task.cancel()
 
-    async def _import(self, before: asyncio.Task | None, part: HandOffPart, fetch) -> None:
+    async def _take(self, before: asyncio.Task | None, part: HandOffPart, fetch) -> None:
         try:
-            fetched = await fetch  # beside the earlier parts' imports
+            fetched = await fetch  # beside the earlier parts' fetches
             if before is not None:
                 await before
         except BaseException:
@@ -228,20 +237,31 @@ class _PartImports:
         if self.broken or not _continues(self.chunks, part.start) or not fetched.chunks:
             if not self.broken:
                 log.warning(
-                    "%s: the hand-off's part at token %d is not used (imported up to %d, %d "
+                    "%s: the hand-off's part at token %d is not used (chunks up to %d, %d "
                     "of %d chunks fetched): the decode replica recomputes from there",
                     self.gen.request_id, part.start, _end(self.chunks), len(fetched.chunks),
                     len(part.chunks),
                 )  # fmt: skip
             self.broken = True
             return
+        lo = len(self.chunks)
+        self.chunks += fetched.chunks
+        self.broken = len(fetched.chunks) < len(part.chunks)
+        self.server.hand_off_parts += 1
+        self._importing = asyncio.ensure_future(self._import(self._importing, lo, len(self.chunks)))
+
+    async def _import(self, before: asyncio.Task | None, lo: int, hi: int) -> None:
+        """Imports chunks[lo:hi] (with those before them, already imported: a pin), marks
+        them verified, or cuts the run at the first one whose tag failed."""
+        if before is not None:
+            await before
+        if hi > len(self.chunks):  # cut by an earlier import
+            return
         self._count += 1
-        self.server.parts_imported += 1
-        offered = self.chunks + fetched.chunks
-        end = part.start + sum(c.meta.num_tokens for c in fetched.chunks)
+        offered = self.chunks[:hi]
         request = Request(
             f"{self.gen.request_id}/import-{self._count}",
-            self.gen.prompt_token_ids[:end],
+            self.gen.prompt_token_ids[: _end(offered)],
             cache_salt=self.gen.cache_salt,
             kv_import=offered,
             import_only=True,
@@ -249,9 +269,12 @@ class _PartImports:
         rejected = []
         async for delta in self.host.async_engine.generate(request):
             rejected = delta.kv_rejected or rejected
+        bad = {key for key, _ in rejected}
+        for i in range(lo, hi):
+            if self.chunks[i].key in bad:
+                del self.chunks[i:]
+                self.broken = True
+                break
+            self.chunks[i] = dataclasses.replace(self.chunks[i], verified=True)
         if rejected:
             await self.host.drop_rejected(rejected)
-        bad = {key for key, _ in rejected}
-        good = list(itertools.takewhile(lambda c: c.key not in bad, fetched.chunks))
-        self.chunks += [dataclasses.replace(c, verified=True) for c in good]
-        self.broken = len(good) < len(part.chunks)

@@ -38,7 +38,8 @@ def offline_texts(model: str, batch: list[list[int]], max_tokens: int) -> list[s
 def served_app(ray_session, model: str, name: str, deployments: tuple[str, ...], **args):
     """-> dict(url, stub, md, handles...) for `build_app(tiny_serve_args(model, **args))`."""
     md = (("application", name),)
-    cfg = tiny_serve_args(model, engine={"dtype": "float32"}, **args)
+    engine = {"dtype": "float32", **args.pop("engine", {})}
+    cfg = tiny_serve_args(model, engine=engine, **args)
     with contextlib.ExitStack() as stack:
         for attempt in (0, 1):
             try:  # on a saturated machine Serve's controller may kill a proxy still starting

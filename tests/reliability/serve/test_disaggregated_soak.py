@@ -4,7 +4,9 @@ store under a small byte budget), `-m long` only.
 The colocated soak (test_colocated.py) has no store; this one checks the store's budget
 under the same mix: HTTP and gRPC streams, HTTP streams dropped after 1-3 events, gRPC
 deadlines (also sent as `timeout_s`, see the open defect in docs/reliability.md), n = 2 and
-380-token prompts; a third of the mix's prompts are shorter than one chunk, so their decode
+380-token prompts (their 124 fresh tokens computed in steps of 64, so each hands its KV off
+in parts: the overlapped hand-off, with its early decode call, cancelled mid-prefill by the
+drops and deadlines); a third of the mix's prompts are shorter than one chunk, so their decode
 replica prefills them (conditional disaggregation), the rest go through a prefill replica.
 Prompts share prefixes so the store is hit; each long prompt ends in fresh tokens, so the
 store keeps filling and must evict to stay in budget.
@@ -59,6 +61,7 @@ def app(ray_session, long_model):
         store_name=STORE,
         store_shards=SHARDS,
         store_capacity_bytes=STORE_BYTES,
+        engine={"long_prefill_chunk": 64},
         **LIMITS,
     ) as a:
         yield a
@@ -121,6 +124,9 @@ def test_disaggregated_soak_keeps_store_in_budget_and_frees_blocks(app, long_mod
         assert s["summed_bytes"] <= s["capacity_bytes"] == STORE_BYTES // SHARDS, s
     total = asyncio.run(store.stats())
     assert total["hits"] > 0 and total["evictions"] > 0, total  # the budget was exercised
+    parts = app["DecodeServer"].stats.remote().result()["hand_off_parts"]
+    print(f"hand-off parts imported by the decode replica: {parts}")
+    assert parts > 0  # the overlapped hand-off was exercised
     assert growth < RSS_BOUND_MIB
     # Every prefill result handed to a decode call was taken or discarded (cancelled and
     # timed-out requests included): the hand-off box holds nothing once the takes end.
