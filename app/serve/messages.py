@@ -72,10 +72,6 @@ class HandOffPart:
     start: int
     chunks: list[StoredChunk]
 
-    @property
-    def end(self) -> int:
-        return self.start + sum(len(c.token_ids) for c in self.chunks)
-
 
 @dataclass(frozen=True, slots=True)
 class HandOffStarted:

@@ -27,6 +27,7 @@ from app.serve.messages import (
     PrefillResult,
 )
 from app.serve.replicas.engine_replica import EngineReplica
+from app.serve.replicas.hand_off_parts import chunks_end
 from app.serve.replicas.replica import is_full
 from app.serve.streaming import merge
 
@@ -181,10 +182,15 @@ class PrefillServer(EngineReplica):
         the recursive cancel follows those ids (tests/serve/test_disaggregation.py). The
         call's slot and in-flight tokens are given back at the cancel: the shielded rest
         (the export's end, the publish: a few ms) runs past them."""
+        return await asyncio.shield(self._detached(work))
+
+    def _detached(self, work: Awaitable[T]) -> asyncio.Task[T]:
+        """``work`` as a task of its own in a fresh context (see `_shielded`), kept by this
+        replica until it ends (the loop keeps only a weak reference)."""
         task = asyncio.get_running_loop().create_task(work, context=contextvars.Context())
-        self._handing_over.add(task)  # the loop keeps only a weak reference
+        self._handing_over.add(task)
         task.add_done_callback(self._handed_over)
-        return await asyncio.shield(task)
+        return task
 
     def _handed_over(self, task: asyncio.Task) -> None:
         self._handing_over.discard(task)
@@ -245,13 +251,8 @@ class _Parts:
         raise RuntimeError("the prefill ended without a token")
 
     def add(self, chunks: list[KVChunk]) -> None:
-        start = chunks[0].meta.start_pos
-        self.end = chunks[-1].meta.start_pos + chunks[-1].meta.num_tokens
-        work = self._post(self._last, start, chunks)
-        task = asyncio.get_running_loop().create_task(work, context=contextvars.Context())
-        self.server._handing_over.add(task)  # the loop keeps only a weak reference
-        task.add_done_callback(self.server._handed_over)
-        self._last = task
+        self.end = chunks_end(chunks)
+        self._last = self.server._detached(self._post(self._last, chunks[0].meta.start_pos, chunks))
 
     async def posted(self) -> None:
         """Every part so far is posted (or failed: its chunks are then recomputed)."""
