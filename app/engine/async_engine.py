@@ -26,9 +26,9 @@ class AsyncEngine:
         self._loop_task: asyncio.Task | None = None
         self._wake = asyncio.Event()
         self._done: dict[str, set[int]] = {}  # finished output indices per request
-        # prefill-only requests: whether their token went out (their export's final delta,
-        # handed over by the transfer worker, is held here until it has)
-        self._exports: dict[str, bool] = {}
+        # prefill-only requests whose token has not gone out yet: their export's final
+        # delta, handed over by the transfer worker, is held until it has
+        self._before_token: set[str] = set()
         self._held: dict[str, RequestDelta] = {}
 
     async def generate(self, request: Request) -> AsyncIterator[RequestDelta]:
@@ -75,14 +75,14 @@ class AsyncEngine:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self._sinks[request.request_id] = sink
         if request.prefill_only:  # its export's final delta waits for its token
-            self._exports[request.request_id] = False
+            self._before_token.add(request.request_id)
         self._submit(("add", request))
 
     def _close(self, request_id: str) -> None:
         if self._sinks.pop(request_id, None) is not None:
             self._submit(("abort", request_id))
             self._done.pop(request_id, None)
-        self._exports.pop(request_id, None)
+        self._before_token.discard(request_id)
         self._held.pop(request_id, None)
 
     def abort(self, request_id: str) -> None:
@@ -124,7 +124,7 @@ class AsyncEngine:
 
     def _exported(self, delta: RequestDelta) -> None:
         rid = delta.request_id
-        if delta.finished and self._exports.get(rid) is False:  # its token is not out yet
+        if delta.finished and rid in self._before_token:
             self._held[rid] = delta
             return
         sink = self._sinks.get(rid)
@@ -139,8 +139,8 @@ class AsyncEngine:
             sink = self._sinks.get(rid)
             if sink is not None:
                 sink(delta)
-            if delta.new_token_ids and self._exports.get(rid) is False:
-                self._exports[rid] = True
+            if delta.new_token_ids and rid in self._before_token:
+                self._before_token.discard(rid)
                 held = self._held.pop(rid, None)
                 if held is not None:
                     self._exported(held)
