@@ -1,7 +1,7 @@
 """Disaggregated with `delta_channel: serve` (every delta a Serve stream item, for clusters
 where replicas cannot reach the ingress's node): a prompt through the prefill replica and
 one prefilled on its decode replica, unary and streamed, give the offline engine's text.
-The default (`socket`) is covered by test_disaggregation.py."""
+The default (`socket`) is covered by disaggregated/test_disaggregation.py."""
 
 from __future__ import annotations
 

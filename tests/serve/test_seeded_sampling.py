@@ -56,7 +56,7 @@ def test_offline_colocated_and_disaggregated_sample_the_same_tokens(ray_session,
     want = _offline(tiny_model)
     engine = {"dtype": "float32"}
     # Every prompt through the prefill replica, which samples the first token (a prompt
-    # prefilled on its decode replica: tests/serve/test_disaggregation.py)
+    # prefilled on its decode replica: tests/serve/disaggregated/test_disaggregation.py)
     args = tiny_serve_args(tiny_model, local_prefill_max_tokens=0, engine=engine)
     with running_app(ray_session, args) as url:
         disaggregated = _served(url)

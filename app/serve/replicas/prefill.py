@@ -179,9 +179,10 @@ class PrefillServer(EngineReplica):
         and Ray cancels that call's child tasks recursively, this one among them and the
         store puts it has made. Hence a shield for the coroutine and a fresh context for
         its task: Ray files a call under the task id it finds in a context variable, and
-        the recursive cancel follows those ids (tests/serve/test_disaggregation.py). The
-        call's slot and in-flight tokens are given back at the cancel: the shielded rest
-        (the export's end, the publish: a few ms) runs past them."""
+        the recursive cancel follows those ids
+        (tests/serve/disaggregated/test_disaggregation.py). The call's slot and in-flight
+        tokens are given back at the cancel: the shielded rest (the export's end, the
+        publish: a few ms) runs past them."""
         return await asyncio.shield(self._detached(work))
 
     def _detached(self, work: Awaitable[T]) -> asyncio.Task[T]:
@@ -292,7 +293,7 @@ def in_transit(chunk: KVChunk) -> StoredChunk:
     by this process rather than a store shard (one Ray call less before the first token,
     measured 6.7 -> 2.4 ms at 1 stream): should the object be lost with this replica, the
     reader's fetch fails and it recomputes those tokens, as for any missing chunk
-    (tests/serve/test_disaggregation.py kills this replica before the fetch)."""
+    (tests/serve/disaggregated/test_disaggregation.py kills this replica before the fetch)."""
     data = np.frombuffer(chunk.encode(), dtype=np.uint8)
     payload = data if data.nbytes <= INLINE_BYTES else ray.put(data)
     return StoredChunk(chunk.key or b"", payload, chunk.tag, data.nbytes, chunk.token_ids)

@@ -5,128 +5,31 @@ import json
 import time
 
 import httpx
-import numpy as np
 import pytest
 import ray
 from ray import serve
 
-from app import LLM, SamplingParams
-from app.kv.chunk import KVChunk
-from app.kv.chunk_format import ChunkFormat
+from app import SamplingParams
 from app.kvstore.handoff import WAIT_S, HandOffs
-from app.kvstore.store import KVStoreClient
 from app.kvstore.transfer import fetch_verified
 from app.serve.messages import DecodeRequest, GenerateRequest, HandOff, RoutingInfo
 from app.serve.replicas.replica import prompt_chunk_keys
-from serve.apps import running_app, tiny_serve_args
+from serve.disaggregated.app_helpers import (
+    LOCAL_LIMIT,
+    MAX_TOKENS,
+    all_stored,
+    asyncio_run,
+    complete,
+    corrupt,
+    eventually,
+    expectation,
+    prompt_ids,
+    stats,
+    stored,
+    want_text,
+)
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
-MAX_TOKENS = 8
-
-
-@pytest.fixture(scope="module")
-def model(checkpoint_factory):
-    # Wide enough that computing a 380-token prompt costs more than fetching its KV.
-    return checkpoint_factory("llama", hidden_size=256, intermediate_size=1024, num_hidden_layers=4)
-
-
-@pytest.fixture(scope="module")
-def offline(model):
-    return LLM(model, dtype="float32", device="cpu", kv_cache_dtype="fp8_e4m3")
-
-
-LOCAL_LIMIT = 16  # prompts of at most this many tokens prefill on the decode replica
-STEP = 128  # long_prefill_chunk: a longer prompt hands off its KV in parts (overlapped)
-
-
-@pytest.fixture(scope="module")
-def url(ray_session, model):
-    # Conditional disaggregation: the other tests' prompts are longer than LOCAL_LIMIT,
-    # through a prefill replica.
-    args = tiny_serve_args(
-        model,
-        num_prefill_replicas=2,
-        local_prefill_max_tokens=LOCAL_LIMIT,
-        # A 380-token prompt is computed in 3 steps: an overlapped hand-off (2 parts)
-        engine={"dtype": "float32", "long_prefill_chunk": STEP},
-    )
-    with running_app(ray_session, args) as u:
-        yield u
-
-
-@pytest.fixture(scope="module")
-def store(url):
-    return KVStoreClient.from_name("slimserve-kvstore", 1)
-
-
-@pytest.fixture(scope="module")
-def info(url):
-    return serve.get_deployment_handle("PrefillServer", "slimserve").describe.remote().result()
-
-
-def prompt_ids(seed: int, n: int = 380) -> list[int]:
-    rng = np.random.default_rng(seed)
-    return [int(t) for t in rng.integers(3, 300, n)]
-
-
-def complete(url, prompt, replica: int | None = None, stream=False, **extra):
-    headers = {} if replica is None else {"x-slimserve-prefill-replica": str(replica)}
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
-    if not stream:
-        r = httpx.post(url + "/v1/completions", json={**body, **extra}, headers=headers, timeout=60)
-        assert r.status_code == 200, r.text
-        return r.json()
-    start = time.perf_counter()
-    with httpx.stream(
-        "POST", url + "/v1/completions", json={**body, "stream": True}, headers=headers
-    ) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                return time.perf_counter() - start
-
-
-def want_text(offline, prompt) -> str:
-    return offline.generate([prompt], SamplingParams(temperature=0, max_tokens=MAX_TOKENS))[0].text
-
-
-def expectation(info) -> ChunkFormat:
-    fingerprint, kv_dtype, layout = info["salt_base"]
-    return ChunkFormat.from_layout(fingerprint, kv_dtype, layout, info["chunk_tokens"])
-
-
-def stats(store) -> dict:
-    return asyncio_run(store.stats())
-
-
-def eventually(check, deadline_s: float = 10.0) -> bool:
-    """Store hit counting is fire-and-forget: poll until it lands."""
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        if check():
-            return True
-        time.sleep(0.05)
-    return False
-
-
-def stored(store, info, prompt) -> tuple[int, int]:
-    """(full chunks of ``prompt`` the store holds as a leading run, full chunks it has);
-    no hit or miss is counted."""
-    keys = prompt_chunk_keys(
-        prompt, info["salt_base"], None, info["block_size"], info["chunk_tokens"]
-    )
-    return asyncio_run(store.lookup_prefix(keys)), len(keys)
-
-
-def all_stored(store, info, prompt) -> bool:
-    """The first token goes out before the prefill replica publishes the prompt's KV
-    (docs/serving.md): wait until every full chunk is in the store."""
-    return eventually(lambda: (got := stored(store, info, prompt))[0] == got[1] == 11)
-
-
-def asyncio_run(coro):
-    import asyncio
-
-    return asyncio.run(coro)
 
 
 def test_prefix_from_one_prefill_replica_is_a_store_hit_on_the_other(url, store, info, offline):
@@ -160,24 +63,6 @@ def test_a_client_that_leaves_after_the_first_token_leaves_the_prompt_kv_in_the_
         prompt = prompt_ids(seed)
         complete(url, prompt, replica=0, stream=True)
         assert all_stored(store, info, prompt), (seed, stored(store, info, prompt))
-
-
-def corrupt(store, key: bytes, how: str) -> None:
-    entry = asyncio_run(store.get(key))
-    buf = bytes(ray.get(entry.ref))
-    if how == "payload":
-        bad = bytearray(buf)
-        bad[-3] ^= 0x40
-    else:  # a header field rewritten, tag left alone
-        chunk = KVChunk.decode(buf)
-        header = chunk.header_dict() | {"start_pos": chunk.meta.start_pos + 1}
-        import msgpack
-
-        head = msgpack.packb(header, use_bin_type=True)
-        bad = b"SKVC" + len(head).to_bytes(4, "little") + head + bytes(chunk.payload)
-    asyncio_run(store.drop(key, "test"))
-    data = np.frombuffer(bytes(bad), dtype=np.uint8)
-    asyncio_run(store.put(key, data, entry.tag, list(entry.token_ids)))
 
 
 @pytest.mark.parametrize("how", ["payload", "header"])
@@ -272,99 +157,6 @@ def test_a_prompt_under_the_local_limit_prefills_on_its_decode_replica(url, offl
     remote = complete(url, prompts[0], replica=1, **sampled)
     assert remote["slimserve"]["choices"][0]["prefill_via"] != "local"
     assert local["choices"][0]["text"] == remote["choices"][0]["text"]
-
-
-def replica_stats(deployment: str) -> list[dict]:
-    """Every replica's stats (Serve's `broadcast`)."""
-    handle = serve.get_deployment_handle(deployment, "slimserve")
-    return list(handle.broadcast("stats").results())
-
-
-def test_a_long_prompts_kv_is_handed_off_in_parts_as_it_is_computed(url, offline):
-    """The overlapped hand-off: a 380-token prompt is computed in steps of 128 tokens; the
-    prefill replica posts the chunks of its first two steps as parts while it computes the
-    rest, and the decode replica, called with the prefill, imports each part before the
-    result comes. The text matches offline and the box holds nothing after. Seen failing
-    (hand_off_parts unchanged) with the prefill's `export_early` off."""
-    decode = serve.get_deployment_handle("DecodeServer", "slimserve")
-    before = decode.stats.remote().result()["hand_off_parts"]
-    for replica, seed in enumerate((91, 92)):
-        prompt = prompt_ids(seed)
-        got = complete(url, prompt, replica=replica)  # remote: the placement may go local
-        assert got["choices"][0]["text"] == want_text(offline, prompt)
-    assert decode.stats.remote().result()["hand_off_parts"] - before == 4
-    box = HandOffs("slimserve-kvstore")
-    assert eventually(lambda: asyncio_run(box.stats())["held"] == 0, WAIT_S + 5)
-
-
-def test_a_corrupted_chunk_in_a_part_is_rejected_and_recomputed(url, store, info, offline):
-    """A middle chunk (the 6th of 11) handed off in a part is damaged: the decode replica's
-    import rejects it by its tag, drops it from the store, and recomputes from there; the
-    text matches offline. Set up so that only the hand-off can carry the damage: the
-    prompt's chunks are published by prefill replica 0 (a direct call: no decode replica
-    sees them), chunk 6 is replaced in the store by a damaged copy and chunk 1 dropped (so
-    the next prefill finds no stored prefix to verify); replica 1 then computes the prompt
-    and its publish of chunk 6 returns the store's damaged entry. Seen failing (no
-    integrity failure counted: the damaged chunk was used) with the import's tag check
-    skipped."""
-    prompt = prompt_ids(93)
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
-    gen = GenerateRequest("publish-only", prompt, params, routing=RoutingInfo(len(prompt), hint=0))
-    prefill = serve.get_deployment_handle("PrefillServer", "slimserve").options(stream=True)
-    list(prefill.prefill.remote(gen))  # the token, then the result (posted: parts and all)
-    HandOffs("slimserve-kvstore").discard(HandOff(gen.request_id).key)  # no decode call
-    assert all_stored(store, info, prompt)
-    keys = prompt_chunk_keys(
-        prompt, info["salt_base"], None, info["block_size"], info["chunk_tokens"]
-    )
-    corrupt(store, keys[5], "payload")
-    asyncio_run(store.drop(keys[0], "test"))
-    before = stats(store)["integrity_failures"]
-    r = complete(url, prompt, replica=1)
-    assert r["choices"][0]["text"] == want_text(offline, prompt)
-    assert eventually(lambda: stats(store)["integrity_failures"] == before + 1)
-    assert r["slimserve"]["choices"][0]["store_tokens"] == 0  # computed, not fetched
-
-
-def test_cancelling_mid_prefill_frees_both_replicas_blocks(url):
-    """Clients that leave while their long prompts are being prefilled (the decode calls
-    already placed and importing parts): every block of both prefill replicas and of the
-    decode replica is free after, and the box holds nothing. Four prompts at once keep the
-    prefill replica busy, so the clients leave before their first token. An end-to-end
-    check that nothing is lost; the guards themselves (an aborted prefill's early exports
-    and an aborted import give their blocks back) are pinned, each seen failing, in
-    tests/engine/test_early_export.py."""
-    import asyncio
-
-    async def leave_early(prompt: list[int]) -> bool:
-        body = {"model": "tiny", "prompt": prompt, "max_tokens": 16, "stream": True}
-        async with httpx.AsyncClient(timeout=60) as client:
-            try:
-                async with asyncio.timeout(0.05):
-                    async with client.stream("POST", url + "/v1/completions", json=body) as r:
-                        async for line in r.aiter_lines():
-                            if line.startswith("data: {"):
-                                return True  # a token came first
-            except TimeoutError:
-                return False
-        return True
-
-    async def burst() -> list[bool]:
-        return await asyncio.gather(*(leave_early(prompt_ids(100 + i)) for i in range(4)))
-
-    got_token = asyncio_run(burst())
-    assert not all(got_token), "every client saw a token: none left mid-prefill"
-
-    def all_free() -> bool:
-        replicas = replica_stats("PrefillServer") + replica_stats("DecodeServer")
-        return len(replicas) == 3 and all(  # a prefill replica killed earlier is back
-            s["kv_blocks_free"] == s["kv_blocks_total"] and s["num_running"] == 0 for s in replicas
-        )
-
-    assert eventually(all_free, 60)
-    box = HandOffs("slimserve-kvstore")
-    assert eventually(lambda: asyncio_run(box.stats())["held"] == 0, WAIT_S + 5)
-    assert httpx.get(url + "/health").status_code == 200
 
 
 def test_decode_completes_after_the_prefill_replica_dies(url, store, offline):
