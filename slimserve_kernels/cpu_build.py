@@ -44,6 +44,11 @@ ENV = "SLIMSERVE_CPU_KERNELS"
 # of an older checkout (loading from their source path) and a newer one do not rebuild one
 # directory in turn.
 _LAYOUT = b"source copied into the build directory"
+# OpenMP on: ATen's `at::parallel_for` (ParallelOpenMP.h) splits work only where `_OPENMP` is
+# defined at compile time; without -fopenmp every kernel ran on one thread whatever
+# `torch.set_num_threads` said. The link names libgomp.so.1, the soname of the runtime torch
+# ships and has already loaded, so the kernels share torch's thread pool and thread count.
+_FLAGS = ["-O3", "-fopenmp"]
 
 
 def enabled() -> bool:
@@ -108,7 +113,8 @@ def build_name(stem: str, source: bytes) -> str:
     """The extension's name, which keys its build directory: a changed source, torch
     version or torch install (another venv) builds anew."""
     where = (torch.__version__ + os.path.dirname(torch.__file__)).encode()
-    return f"slimserve_{stem}_{hashlib.sha256(source + where + _LAYOUT).hexdigest()[:12]}"
+    flags = " ".join(_FLAGS).encode()
+    return f"slimserve_{stem}_{hashlib.sha256(source + where + _LAYOUT + flags).hexdigest()[:12]}"
 
 
 def build(stem: str, what: str, logger: logging.Logger) -> ModuleType:
@@ -129,7 +135,11 @@ def build(stem: str, what: str, logger: logging.Logger) -> ModuleType:
             shutil.copyfile(source, copy + ".tmp")
             os.replace(copy + ".tmp", copy)
         module = cpp_extension.load(
-            name=name, sources=[copy], extra_cflags=["-O3"], build_directory=build_dir
+            name=name,
+            sources=[copy],
+            extra_cflags=_FLAGS,
+            extra_ldflags=["-fopenmp"],
+            build_directory=build_dir,
         )
     logger.info("%s: C++ kernel loaded, %s (%s)", what, module.isa(), module.__file__)
     return module

@@ -95,3 +95,63 @@ def test_another_venv_builds_its_own(monkeypatch):
     assert cpu_build.build_name("x", b"other source") != here
     monkeypatch.setattr(torch, "__file__", "/another/venv/site-packages/torch/__init__.py")
     assert cpu_build.build_name("x", b"source") != here
+
+
+PARALLEL = textwrap.dedent(
+    """
+    #include <ATen/Parallel.h>
+    #include <pybind11/pybind11.h>
+    #include <mutex>
+    #include <set>
+    #include <thread>
+    // How many OS threads one at::parallel_for over n items (grain 1) runs on.
+    static int threads_used(int n) {
+      std::set<std::thread::id> ids;
+      std::mutex m;
+      at::parallel_for(0, n, 1, [&](int64_t, int64_t) {
+        std::lock_guard<std::mutex> g(m);
+        ids.insert(std::this_thread::get_id());
+      });
+      return static_cast<int>(ids.size());
+    }
+    static const char* isa() { return "parallel"; }
+    PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+      m.def("threads_used", &threads_used);
+      m.def("isa", &isa);
+    }
+    """
+)
+THREADS = textwrap.dedent(
+    """
+    import logging, sys, torch
+    from slimserve_kernels import cpu_build
+    cpu_build.CSRC = sys.argv[1]
+    module = cpu_build.build("parallel", "parallel", logging.getLogger("parallel"))
+    torch.set_num_threads(1)
+    one = module.threads_used(8)
+    torch.set_num_threads(2)
+    print(one, module.threads_used(8))
+    """
+)
+
+
+def test_kernels_split_work_over_torchs_threads(tmp_path):
+    """ATen's at::parallel_for splits work only in code compiled with OpenMP; without it
+    every C++ kernel ran on one thread whatever torch.set_num_threads said.
+
+    Seen failing: with -fopenmp left out of the build's flags (1 thread at 2)."""
+    csrc = tmp_path / "csrc"
+    csrc.mkdir()
+    (csrc / "parallel.cpp").write_text(PARALLEL)
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    run = subprocess.run(
+        [sys.executable, "-c", THREADS, str(csrc)],
+        env=env,
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split()[-2:] == ["1", "2"]
