@@ -1,13 +1,20 @@
 // Paged attention on the CPU, reading the paged KV cache in place through the block table.
 //
-// One task per (sequence, KV head), run under at::parallel_for (torch's intra-op threads).
-// A task serves the G query heads that share its KV head and every new query row of the
-// sequence (1 for a decode, a few for a short extend) as R = rows * G "query rows": each
+// One task per (sequence, KV head, block of new query tokens). A task serves the G query
+// heads that share its KV head and its block's new tokens (1 for a decode; up to
+// kBlockRows / G of a prefill, so a task's accumulators stay in L1 and a long prefill splits
+// into many tasks) as R = tokens * G "query rows": each
 // cache block is decoded once into an fp32 tile (FP8 codes decoded exactly in integer
 // arithmetic, times 2**exponent: the product `_gather_rows` computes; 16-bit caches
 // converted; an fp32 cache is read where it lies) and every query row takes it with an
 // online softmax, fp32 accumulation. Query row j of a sequence with n new tokens sits at position
-// len - n + j and sees keys <= that position (causal within the step's new tokens).
+// len - n + j and sees keys <= that position (causal within the step's new tokens); a task
+// reads keys up to its block's last position only.
+//
+// Threads: torch's intra-op threads (at::parallel_for) take tasks from a shared counter,
+// costliest first (rows times keys seen), not a contiguous share each: a step that mixes
+// one long prefill with decodes left the prefill's tasks all on one thread. A row's result
+// does not depend on which thread runs its task, so any thread count gives the same bits.
 //
 // Portability: no -march flag. The hot function is compiled three times (AVX-512, AVX2+FMA,
 // baseline x86-64, by target attributes) and picked at the first call from what the CPU
@@ -20,6 +27,7 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -40,6 +48,11 @@ struct Cache {
   const int8_t* scale;  // FP8 only
   int64_t s_block, s_tok, s_head;  // element strides of the cache
   int64_t e_block, e_tok, e_head;  // element strides of the scales
+};
+
+// The new query tokens [j0, j1) of sequence b, against KV head h.
+struct Task {
+  int64_t b, h, j0, j1;
 };
 
 struct Problem {
@@ -364,15 +377,17 @@ __attribute__((always_inline)) inline Vec16 token_scales(const Problem& p, const
 // update with one vector exp, and the P.V accumulation. Inlined into one copy per
 // instruction set below.
 template <Isa I, int kD>
-__attribute__((always_inline)) inline void attend(const Problem& p, int64_t b, int64_t h,
+__attribute__((always_inline)) inline void attend(const Problem& p, const Task& t,
                                                   std::vector<float>& scratch) {
   // kD: the head dim as a constant (64, 128: loops over D unroll and the 16 keys' dot
   // products interleave), 0 for any other.
   const int64_t g = p.hq / p.hkv, d = kD ? kD : p.d, bs = p.block_size;
+  const int64_t b = t.b, h = t.h;
   const int64_t len = p.seq_lens[b];
-  const int64_t q0 = p.query_start ? p.query_start[b] : b;
-  const int64_t n_new = p.query_start ? p.query_start[b + 1] - q0 : 1;
-  const int64_t rows = n_new * g;  // row r: query token r / g, head h * g + r % g
+  const int64_t q0 = (p.query_start ? p.query_start[b] : b) + t.j0;  // the block's first row
+  const int64_t n_new = p.query_start ? p.query_start[b + 1] - p.query_start[b] : 1;
+  const int64_t rows = (t.j1 - t.j0) * g;  // row r: query token j0 + r / g, head h * g + r % g
+  const int64_t kv_end = len - n_new + t.j1;  // keys past the block's last position: unseen
   scratch.resize(static_cast<size_t>(rows * (d + kLanes + 2) + 2 * kLanes * d));
   float* acc = scratch.data();  // [rows, d]
   float* weight = acc + rows * d;  // [rows, 16]: this chunk's P times V's 2**e
@@ -387,9 +402,9 @@ __attribute__((always_inline)) inline void attend(const Problem& p, int64_t b, i
   const float unit = fp8 ? kFp8Unit : 1.0f;  // undoes the FP8 tiles' 2**-8
   const Vec16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   const int32_t* table = p.block_tables + b * p.max_blocks;
-  for (int64_t start = 0; start < len; start += bs) {
+  for (int64_t start = 0; start < kv_end; start += bs) {
     const int64_t block = table[start / bs];
-    const int64_t in_block = std::min(bs, len - start);
+    const int64_t in_block = std::min(bs, kv_end - start);
     for (int64_t c0 = 0; c0 < in_block; c0 += kLanes) {
       const int64_t n = std::min<int64_t>(kLanes, in_block - c0), first = start + c0;
       int64_t ks, vs;
@@ -400,7 +415,7 @@ __attribute__((always_inline)) inline void attend(const Problem& p, int64_t b, i
       const Vec16 v_mul = token_scales(p, p.v, block, c0, n, h);
       int64_t last_seen = 0;  // keys of the chunk that some row sees
       for (int64_t r = 0; r < rows; ++r) {
-        const int64_t j = r / g;
+        const int64_t j = t.j0 + r / g;
         // Keys past this row's position are masked (causal within the new tokens).
         const int64_t seen = std::min(n, len - n_new + j + 1 - first);
         float* w = weight + r * kLanes;
@@ -409,7 +424,7 @@ __attribute__((always_inline)) inline void attend(const Problem& p, int64_t b, i
           continue;
         }
         last_seen = std::max(last_seen, seen);
-        const float* q = p.q + (q0 + j) * p.q_tok + (h * g + r % g) * p.q_head;
+        const float* q = p.q + (q0 + r / g) * p.q_tok + (h * g + r % g) * p.q_head;
         Vec16 s = scores(q, keys, ks, n, d) * unit * k_mul * p.sm_scale;
         s = select16(lane < static_cast<int32_t>(seen), s,
                      splat16(-std::numeric_limits<float>::infinity()));
@@ -448,28 +463,53 @@ __attribute__((always_inline)) inline void attend(const Problem& p, int64_t b, i
 // supports (target_clones' "arch=" clones dispatch on the CPU model, not its features, and
 // picked the baseline on a Sapphire Rapids).
 template <Isa I>
-__attribute__((always_inline)) inline void attend_any_d(const Problem& p, int64_t b, int64_t h,
+__attribute__((always_inline)) inline void attend_any_d(const Problem& p, const Task& t,
                                                         std::vector<float>& scratch) {
-  if (p.d == 64) return attend<I, 64>(p, b, h, scratch);
-  if (p.d == 128) return attend<I, 128>(p, b, h, scratch);
-  attend<I, 0>(p, b, h, scratch);
+  if (p.d == 64) return attend<I, 64>(p, t, scratch);
+  if (p.d == 128) return attend<I, 128>(p, t, scratch);
+  attend<I, 0>(p, t, scratch);
 }
 
 __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma,f16c")))
-void attend_avx512(const Problem& p, int64_t b, int64_t h, std::vector<float>& scratch) {
-  attend_any_d<Isa::kAvx512>(p, b, h, scratch);
+void attend_avx512(const Problem& p, const Task& t, std::vector<float>& scratch) {
+  attend_any_d<Isa::kAvx512>(p, t, scratch);
 }
 
 __attribute__((target("avx2,fma,f16c")))
-void attend_avx2(const Problem& p, int64_t b, int64_t h, std::vector<float>& scratch) {
-  attend_any_d<Isa::kAvx2>(p, b, h, scratch);
+void attend_avx2(const Problem& p, const Task& t, std::vector<float>& scratch) {
+  attend_any_d<Isa::kAvx2>(p, t, scratch);
 }
 
-void attend_baseline(const Problem& p, int64_t b, int64_t h, std::vector<float>& scratch) {
-  attend_any_d<Isa::kBaseline>(p, b, h, scratch);
+void attend_baseline(const Problem& p, const Task& t, std::vector<float>& scratch) {
+  attend_any_d<Isa::kBaseline>(p, t, scratch);
 }
 
-using AttendFn = void (*)(const Problem&, int64_t, int64_t, std::vector<float>&);
+using AttendFn = void (*)(const Problem&, const Task&, std::vector<float>&);
+
+// Query rows per prefill task (tokens * G): its fp32 accumulators, [rows, D], stay in L1.
+constexpr int64_t kBlockRows = 64;
+
+// Every (sequence, KV head, block of new tokens), costliest first: a block's rows times the
+// keys its last row sees (causal: a sequence's later blocks cost more).
+std::vector<Task> plan_tasks(const Problem& p, int64_t b) {
+  const int64_t g = p.hq / p.hkv, block = std::max<int64_t>(1, kBlockRows / g);
+  std::vector<std::pair<int64_t, Task>> costed;
+  for (int64_t s = 0; s < b; ++s) {
+    const int64_t n = p.query_start ? p.query_start[s + 1] - p.query_start[s] : 1;
+    const int64_t len = p.seq_lens[s];
+    for (int64_t j0 = 0; j0 < n; j0 += block) {
+      const int64_t j1 = std::min(n, j0 + block);
+      for (int64_t h = 0; h < p.hkv; ++h)
+        costed.push_back({(j1 - j0) * (len - n + j1), Task{s, h, j0, j1}});
+    }
+  }
+  std::stable_sort(costed.begin(), costed.end(),
+                   [](const auto& x, const auto& y) { return x.first > y.first; });
+  std::vector<Task> tasks;
+  tasks.reserve(costed.size());
+  for (const auto& c : costed) tasks.push_back(c.second);
+  return tasks;
+}
 
 // SLIMSERVE_CPU_ISA=avx2 | baseline caps the pick (tests run each copy on one machine).
 AttendFn pick_attend() {
@@ -548,9 +588,14 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
             block_tables.size(1), k_cache.size(1), hq, hkv, d,
             static_cast<float>(sm_scale), kind};
   static const AttendFn attend_task = pick_attend();
-  at::parallel_for(0, b * hkv, 1, [&](int64_t begin, int64_t end) {
+  const std::vector<Task> tasks = plan_tasks(p, b);
+  const int64_t n_tasks = static_cast<int64_t>(tasks.size());
+  std::atomic<int64_t> next{0};
+  // One index per thread; each takes the next task until none is left (see the top).
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), n_tasks);
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     std::vector<float> scratch;
-    for (int64_t i = begin; i < end; ++i) attend_task(p, i / hkv, i % hkv, scratch);
+    for (int64_t i = next++; i < n_tasks; i = next++) attend_task(p, tasks[i], scratch);
   });
   return out;
 }

@@ -131,19 +131,26 @@ def test_other_instruction_set_copies_match_the_reference(isa):
 
 
 def test_threads_give_the_same_bits():
-    """Each (sequence, KV head) is one task, so the thread count cannot change the result."""
-    cache = paged_cache(FP8, [33, 1, 200, 64], 16, 4, 64, seed=3)
-    lens = torch.tensor([33, 1, 200, 64], dtype=torch.int32)
-    q = torch.randn(4, 8, 64)
+    """A row's result does not depend on the thread that runs its task, so the thread count
+    cannot change it: decodes, and a step mixing a 300-token prefill (split into blocks of
+    query rows) with decodes."""
+    lens = [33, 1, 200, 64, 300]
+    *planes, tables = paged_cache(FP8, lens, 16, 4, 64, seed=3)
+    lens = torch.tensor(lens, dtype=torch.int32)
+    starts = torch.tensor([0, 1, 2, 3, 4, 304], dtype=torch.int32)
+    decode = (torch.randn(4, 8, 64), tables[:4], lens[:4], None)
+    mixed = (torch.randn(304, 8, 64), tables, lens, starts)
     threads = torch.get_num_threads()
     try:
-        torch.set_num_threads(1)
-        one = cpu_paged.paged_attention_cpu(q, *cache, lens, None, 0.125)
-        torch.set_num_threads(2)
-        two = cpu_paged.paged_attention_cpu(q, *cache, lens, None, 0.125)
+        for q, table, seq_lens, query_start in (decode, mixed):
+            args = (q, *planes, table, seq_lens, query_start, 0.125)
+            torch.set_num_threads(1)
+            one = cpu_paged.paged_attention_cpu(*args)
+            torch.set_num_threads(2)
+            two = cpu_paged.paged_attention_cpu(*args)
+            assert torch.equal(one, two)
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(one, two)
 
 
 def test_strided_query_and_cache_views():
