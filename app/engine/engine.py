@@ -260,7 +260,7 @@ class Engine:
         starts = [seq.num_computed_tokens for seq, _ in out.scheduled]
         plan = plan_step(out.scheduled, self.kv_spec.block_size)
         if self.step_threads is not None:  # set on the stepping thread (step_threads.py)
-            self.step_threads.apply(len(plan.token_ids))
+            self.step_threads.apply(max(n for _, n in out.scheduled))  # longest chunk
         result = self.runner.run(plan)
         sampled = [out.scheduled[i][0] for i in result.sampled]
         if sampled:  # [rows, V]: grammar rows (speculated ones too) get -inf outside

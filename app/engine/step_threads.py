@@ -1,10 +1,13 @@
-"""How many torch threads one engine step runs on, chosen by the step's size.
+"""How many torch threads one engine step runs on, chosen by its longest prompt chunk.
 
-A large prefill step (many new tokens) is a few big GEMMs that split well over threads; a
-small decode step is hundreds of tiny ops below torch's intra-op grain, so extra threads
-only add OpenMP barriers and, where the other cores serve HTTP (a Serve replica on a small
-box), compete with the ingress for them. So steps that compute at least `min_tokens` new
-tokens get `max_threads`, the rest one thread.
+A long prompt's prefill step is a few big GEMMs and a long causal attention that split well
+over threads (the C++ kernels take torch's intra-op threads); a decode step is hundreds of
+tiny ops below torch's intra-op grain, so extra threads only add OpenMP barriers. Steps are
+sized by their longest chunk, not their total: a burst of short prompts fills a step as
+well, but it streams many tokens per unit of compute, so on a small box the other cores are
+busy serving HTTP then (measured: docs/performance.md "CPU threads"), while a long prompt's
+step streams one token after much compute. So a step in which one sequence computes at
+least `min_tokens` new tokens gets `max_threads`, the rest one thread.
 
 torch keeps the thread count per OS thread (OpenMP's nthreads ICV), so `apply` must run on
 the thread that runs the step; it is called at the start of every step (~0.2 us).
@@ -25,11 +28,12 @@ class StepThreads:
     def __post_init__(self):
         assert self.max_threads >= 1 and self.min_tokens >= 1, self
 
-    def threads_for(self, num_tokens: int) -> int:
-        return self.max_threads if num_tokens >= self.min_tokens else 1
+    def threads_for(self, longest: int) -> int:
+        return self.max_threads if longest >= self.min_tokens else 1
 
-    def apply(self, num_tokens: int) -> int:
-        """Sets the calling thread's torch threads for a step of num_tokens; returns them."""
-        n = self.threads_for(num_tokens)
+    def apply(self, longest: int) -> int:
+        """Sets the calling thread's torch threads for a step whose longest chunk is
+        `longest` new tokens of one sequence; returns them."""
+        n = self.threads_for(longest)
         torch.set_num_threads(n)
         return n

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import os
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
@@ -48,11 +49,12 @@ class EngineArgs(_EngineFields):
     """
 
     model: str | None = None  # None: the embedded default model
-    # Torch threads of a large engine step (>= threaded_step_min_tokens new tokens); smaller
-    # steps run on one (app/engine/step_threads.py). None: leave torch's count alone (Ray
-    # sets OMP_NUM_THREADS=1 in a replica that reserves no CPUs: replica_num_cpus=0).
-    torch_threads: int | None = Field(default=None, gt=0)
-    threaded_step_min_tokens: int = Field(default=1, gt=0)
+    # Torch threads of a step in which one sequence computes >= threaded_step_min_tokens new
+    # tokens (a long prompt's prefill); other steps run on one (app/engine/step_threads.py).
+    # "auto": the CPUs this replica's process may run on. None: leave torch's count alone
+    # (Ray sets OMP_NUM_THREADS=1 in a replica that reserves no CPUs: replica_num_cpus=0).
+    torch_threads: Annotated[int, Field(gt=0)] | Literal["auto"] | None = "auto"
+    threaded_step_min_tokens: int = Field(default=256, gt=0)
     # Notes: tensor_parallel_size ranks run as Ray actors in the replica's placement group
     # (docs/parallelism.md); with speculative_config only decode (and colocated) replicas
     # speculate, prefill replicas never decode.
@@ -61,6 +63,12 @@ class EngineArgs(_EngineFields):
     def _valid_engine(self) -> EngineArgs:
         self.engine_config(self.model or _PLACEHOLDER_MODEL)  # raises naming the field
         return self
+
+    def step_threads(self) -> int | None:
+        """torch_threads resolved: "auto" is the CPUs this process may run on."""
+        if self.torch_threads == "auto":
+            return len(os.sched_getaffinity(0))
+        return self.torch_threads
 
     def engine_options(self) -> dict[str, Any]:
         """The flat engine options (app/options.py), without `model`."""

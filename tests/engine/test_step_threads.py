@@ -16,7 +16,7 @@ def restore_threads():
     torch.set_num_threads(before)
 
 
-def test_threads_by_step_size():
+def test_threads_by_longest_chunk():
     policy = StepThreads(max_threads=3, min_tokens=64)
     assert [policy.threads_for(n) for n in (1, 63, 64, 2048)] == [1, 1, 3, 3]
 
@@ -26,9 +26,14 @@ def test_bad_policy_is_refused():
         StepThreads(max_threads=0, min_tokens=1)
 
 
-def test_engine_runs_each_step_on_the_threads_its_size_asks_for(llama_path, restore_threads):
+def test_engine_runs_each_step_on_the_threads_its_longest_chunk_asks_for(
+    llama_path, restore_threads
+):
     """Seen on the thread that runs the step, at the runner (where the forward pass runs):
-    the prompts' step on 2 threads, each one-token decode step on 1."""
+    a step with a 20-token prompt on 2 threads; two 12-token prompts (24 new tokens, none
+    of them 16) and each one-token decode step on 1.
+
+    Seen failing: with the step's total new tokens deciding (the short prompts on 2)."""
     llm = LLM(llama_path, dtype="float32", device="cpu")
     engine = llm.engine
     engine.step_threads = StepThreads(max_threads=2, min_tokens=16)
@@ -43,6 +48,9 @@ def test_engine_runs_each_step_on_the_threads_its_size_asks_for(llama_path, rest
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     llm.generate([[5, 17, 42, 99, 3] * 4, [7, 8, 9] * 4], params)
     assert seen == [(32, 2), (2, 1), (2, 1)]
+    seen.clear()
+    llm.generate([[7, 8, 9] * 4, [6, 5, 4] * 4], params)
+    assert seen == [(24, 1), (2, 1), (2, 1)]
 
 
 def test_the_policy_applies_on_whichever_thread_steps(llama_path, restore_threads):

@@ -34,6 +34,7 @@ def test_local_yaml_args_validate():
         {"max_queued_requests": 0},
         {"engine": {"kv_cache_memory_bytes": -1}},
         {"engine": {"torch_threads": 0}},
+        {"engine": {"torch_threads": "all"}},
         {"engine": {"threaded_step_min_tokens": 0}},
         {"local_prefill_max_tokens": -1},
     ],
@@ -41,6 +42,13 @@ def test_local_yaml_args_validate():
 def test_bad_serve_args_are_rejected(bad):
     with pytest.raises(pydantic.ValidationError):
         ServeArgs(**bad)
+
+
+def test_auto_threads_are_the_cpus_the_replica_may_run_on(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 3, 5})
+    assert ServeArgs().engine.step_threads() == 3
+    assert ServeArgs(engine={"torch_threads": 2}).engine.step_threads() == 2
+    assert ServeArgs(engine={"torch_threads": None}).engine.step_threads() is None
 
 
 def test_short_prompts_prefill_locally_below_one_chunk():

@@ -47,7 +47,7 @@ def replica_name() -> str:
 
 class EngineHost:
     def __init__(self, args: ServeArgs, store: KVStoreClient | None, role: str = "colocated"):
-        threads = args.engine.torch_threads
+        threads = args.engine.step_threads()
         if threads:
             torch.set_num_threads(threads)
         self.args = args
