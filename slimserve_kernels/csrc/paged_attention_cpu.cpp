@@ -488,10 +488,13 @@ using AttendFn = void (*)(const Problem&, const Task&, std::vector<float>&);
 
 // Query rows per prefill task (tokens * G): its fp32 accumulators, [rows, D], stay in L1.
 constexpr int64_t kBlockRows = 64;
+// Below this many (query row, key) pairs in all a call runs on the calling thread: waking a
+// second thread costs more than it saves (a 1-sequence decode over a short context).
+constexpr int64_t kMinThreadedCost = 1 << 14;
 
 // Every (sequence, KV head, block of new tokens), costliest first: a block's rows times the
 // keys its last row sees (causal: a sequence's later blocks cost more).
-std::vector<Task> plan_tasks(const Problem& p, int64_t b) {
+std::vector<Task> plan_tasks(const Problem& p, int64_t b, int64_t* total_cost) {
   const int64_t g = p.hq / p.hkv, block = std::max<int64_t>(1, kBlockRows / g);
   std::vector<std::pair<int64_t, Task>> costed;
   for (int64_t s = 0; s < b; ++s) {
@@ -505,6 +508,8 @@ std::vector<Task> plan_tasks(const Problem& p, int64_t b) {
   }
   std::stable_sort(costed.begin(), costed.end(),
                    [](const auto& x, const auto& y) { return x.first > y.first; });
+  *total_cost = 0;
+  for (const auto& c : costed) *total_cost += c.first * g;
   std::vector<Task> tasks;
   tasks.reserve(costed.size());
   for (const auto& c : costed) tasks.push_back(c.second);
@@ -588,11 +593,13 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
             block_tables.size(1), k_cache.size(1), hq, hkv, d,
             static_cast<float>(sm_scale), kind};
   static const AttendFn attend_task = pick_attend();
-  const std::vector<Task> tasks = plan_tasks(p, b);
+  int64_t cost = 0;
+  const std::vector<Task> tasks = plan_tasks(p, b, &cost);
   const int64_t n_tasks = static_cast<int64_t>(tasks.size());
   std::atomic<int64_t> next{0};
   // One index per thread; each takes the next task until none is left (see the top).
-  const int64_t workers = std::min<int64_t>(at::get_num_threads(), n_tasks);
+  const int64_t threads = cost < kMinThreadedCost ? 1 : at::get_num_threads();
+  const int64_t workers = std::min<int64_t>(threads, n_tasks);
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     std::vector<float> scratch;
     for (int64_t i = next++; i < n_tasks; i = next++) attend_task(p, tasks[i], scratch);
