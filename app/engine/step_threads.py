@@ -1,13 +1,13 @@
 """How many torch threads one engine step runs on, chosen by its longest prompt chunk.
 
 A long prompt's prefill step is a few big GEMMs and a long causal attention that split well
-over threads (the C++ kernels take torch's intra-op threads); a decode step is hundreds of
-tiny ops below torch's intra-op grain, so extra threads only add OpenMP barriers. Steps are
-sized by their longest chunk, not their total: a burst of short prompts fills a step as
-well, but it streams many tokens per unit of compute, so on a small box the other cores are
-busy serving HTTP then (measured: docs/performance.md "CPU threads"), while a long prompt's
-step streams one token after much compute. So a step in which one sequence computes at
-least `min_tokens` new tokens gets `max_threads`, the rest one thread.
+over threads (the C++ kernels take torch's intra-op threads); a decode step is dozens of
+small parallel regions, each waking the other threads for little work. Steps are sized by
+their longest chunk, not their total: a burst of short prompts fills a step as well, but it
+streams many tokens per unit of compute, so on a small box the other cores are busy serving
+HTTP then, while a long prompt's step streams one token after much compute (measured:
+docs/long_prompts.md "Threads for long prompts"). So a step in which one sequence computes
+at least `min_tokens` new tokens gets `max_threads`, the rest one thread.
 
 torch keeps the thread count per OS thread (OpenMP's nthreads ICV), so `apply` must run on
 the thread that runs the step; it is called at the start of every step (~0.2 us).
