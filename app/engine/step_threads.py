@@ -15,9 +15,43 @@ the thread that runs the step; it is called at the start of every step (~0.2 us)
 
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass
 
 import torch
+
+# A container's CPU limit: cgroup v2's "quota period" (or "max period"), or v1's two files.
+CGROUP_V2 = "/sys/fs/cgroup/cpu.max"
+CGROUP_V1 = ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", "/sys/fs/cgroup/cpu/cpu.cfs_period_us")
+
+
+def available_cpus(v2: str = CGROUP_V2, v1: tuple[str, str] = CGROUP_V1) -> int:
+    """The CPUs this process may use: its affinity, capped by a cgroup CPU quota (a
+    Kubernetes CPU limit is a quota, not a cpuset, so the affinity alone would be every
+    core of the node)."""
+    cpus = len(os.sched_getaffinity(0))
+    quota = _quota(v2, v1)
+    return max(1, min(cpus, math.ceil(quota))) if quota else cpus
+
+
+def _quota(v2: str, v1: tuple[str, str]) -> float | None:
+    """CPUs the cgroup's quota allows (None: no quota, or no cgroup file)."""
+    words = _read(v2).split()  # v2: "quota period" in one file
+    if len(words) < 2:
+        words = [_read(path).strip() for path in v1]
+    quota, period = words[:2]
+    if not quota or quota in ("max", "-1") or not period:
+        return None
+    return int(quota) / int(period)
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
 
 
 @dataclass(frozen=True, slots=True)

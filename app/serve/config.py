@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
@@ -51,7 +50,8 @@ class EngineArgs(_EngineFields):
     model: str | None = None  # None: the embedded default model
     # Torch threads of a step in which one sequence computes >= threaded_step_min_tokens new
     # tokens (a long prompt's prefill); other steps run on one (app/engine/step_threads.py).
-    # "auto": the CPUs this replica's process may run on. None: leave torch's count alone
+    # "auto": the CPUs this replica's process may use (affinity, capped by a cgroup CPU
+    # quota). None: leave torch's count alone
     # (Ray sets OMP_NUM_THREADS=1 in a replica that reserves no CPUs: replica_num_cpus=0).
     torch_threads: Annotated[int, Field(gt=0)] | Literal["auto"] | None = "auto"
     threaded_step_min_tokens: int = Field(default=256, gt=0)
@@ -65,9 +65,12 @@ class EngineArgs(_EngineFields):
         return self
 
     def step_threads(self) -> int | None:
-        """torch_threads resolved: "auto" is the CPUs this process may run on."""
+        """torch_threads resolved: "auto" is the CPUs this process may use (its affinity,
+        capped by a container's CPU limit)."""
         if self.torch_threads == "auto":
-            return len(os.sched_getaffinity(0))
+            from app.engine.step_threads import available_cpus  # torch: at replica start only
+
+            return available_cpus()
         return self.torch_threads
 
     def engine_options(self) -> dict[str, Any]:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from app import LLM, SamplingParams
-from app.engine.step_threads import StepThreads
+from app.engine.step_threads import StepThreads, available_cpus
 
 
 @pytest.fixture
@@ -19,6 +19,25 @@ def restore_threads():
 def test_threads_by_longest_chunk():
     policy = StepThreads(max_threads=3, min_tokens=64)
     assert [policy.threads_for(n) for n in (1, 63, 64, 2048)] == [1, 1, 3, 3]
+
+
+def test_available_cpus_are_the_affinity_capped_by_a_cgroup_quota(tmp_path, monkeypatch):
+    """A Kubernetes CPU limit is a quota: the affinity alone is every core of the node.
+
+    Seen failing: with the quota ignored (8 where 2.5 CPUs are allowed)."""
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
+    v2, quota, period = tmp_path / "cpu.max", tmp_path / "quota", tmp_path / "period"
+    none = (str(tmp_path / "absent"), str(tmp_path / "absent"))
+    v2.write_text("250000 100000\n")
+    assert available_cpus(str(v2), none) == 3
+    v2.write_text("max 100000\n")
+    assert available_cpus(str(v2), none) == 8
+    quota.write_text("50000\n")  # cgroup v1, no v2 file
+    period.write_text("100000\n")
+    assert available_cpus(str(tmp_path / "absent"), (str(quota), str(period))) == 1
+    quota.write_text("-1\n")
+    assert available_cpus(str(tmp_path / "absent"), (str(quota), str(period))) == 8
+    assert available_cpus(str(tmp_path / "absent"), none) == 8
 
 
 def test_bad_policy_is_refused():
