@@ -40,12 +40,13 @@ def checkout(root, name: str) -> str:
     return str(csrc)
 
 
-def build(csrc: str, extensions: str, timeout_s: float = 240) -> str:
-    """The built module's path; fails the test if the build does not finish in time."""
+def build(csrc: str, extensions: str, timeout_s: float = 240, script: str = BUILD) -> str:
+    """The last line `script` prints (BUILD: the built module's path), run in a subprocess
+    with csrc as its argument; fails the test if the build does not finish in time."""
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": extensions}
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     run = subprocess.run(
-        [sys.executable, "-c", BUILD, csrc],
+        [sys.executable, "-c", script, csrc],
         env=env,
         cwd=repo,
         capture_output=True,
@@ -143,15 +144,4 @@ def test_kernels_split_work_over_torchs_threads(tmp_path):
     csrc = tmp_path / "csrc"
     csrc.mkdir()
     (csrc / "parallel.cpp").write_text(PARALLEL)
-    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    run = subprocess.run(
-        [sys.executable, "-c", THREADS, str(csrc)],
-        env=env,
-        cwd=repo,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.split()[-2:] == ["1", "2"]
+    assert build(str(csrc), str(tmp_path / "ext"), script=THREADS).split() == ["1", "2"]
