@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import ray
 import torch
+from polling import eventually
 
 from app.kv.chunk import ChunkMeta, KVChunk
 from app.kv.chunk_format import ChunkFormat
@@ -45,15 +46,6 @@ def client(ray_session):
 
 def run(coro):
     return asyncio.run(coro)
-
-
-def eventually(check, deadline_s: float = 10.0) -> bool:
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        if check():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def test_publish_then_match_prefix_round_trips(client):

@@ -8,6 +8,7 @@ import httpx
 import msgpack
 import numpy as np
 import ray
+from polling import eventually
 
 from app import SamplingParams
 from app.kv.chunk import KVChunk
@@ -51,16 +52,6 @@ def expectation(info) -> ChunkFormat:
 
 def stats(store) -> dict:
     return asyncio_run(store.stats())
-
-
-def eventually(check, deadline_s: float = 10.0) -> bool:
-    """Store hit counting is fire-and-forget: poll until it lands."""
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        if check():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def stored(store, info, prompt) -> tuple[int, int]:

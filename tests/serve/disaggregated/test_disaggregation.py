@@ -7,6 +7,7 @@ import time
 import httpx
 import pytest
 import ray
+from polling import eventually
 from ray import serve
 
 from app import SamplingParams
@@ -21,7 +22,6 @@ from serve.disaggregated.app_helpers import (
     asyncio_run,
     complete,
     corrupt,
-    eventually,
     expectation,
     prompt_ids,
     stats,

@@ -6,6 +6,7 @@ import asyncio
 
 import httpx
 import pytest
+from polling import eventually
 from ray import serve
 
 from app import SamplingParams
@@ -18,7 +19,6 @@ from serve.disaggregated.app_helpers import (
     asyncio_run,
     complete,
     corrupt,
-    eventually,
     prompt_ids,
     stats,
     want_text,
