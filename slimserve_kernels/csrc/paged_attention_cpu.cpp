@@ -50,9 +50,10 @@ struct Cache {
   int64_t e_block, e_tok, e_head;  // element strides of the scales
 };
 
-// The new query tokens [j0, j1) of sequence b, against KV head h.
+// The new query tokens [j0, j1) of sequence b, against KV head h; cost: its tokens times
+// the keys its last token sees.
 struct Task {
-  int64_t b, h, j0, j1;
+  int64_t b, h, j0, j1, cost;
 };
 
 struct Problem {
@@ -496,23 +497,19 @@ constexpr int64_t kMinThreadedCost = 1 << 14;
 // keys its last row sees (causal: a sequence's later blocks cost more).
 std::vector<Task> plan_tasks(const Problem& p, int64_t b, int64_t* total_cost) {
   const int64_t g = p.hq / p.hkv, block = std::max<int64_t>(1, kBlockRows / g);
-  std::vector<std::pair<int64_t, Task>> costed;
+  std::vector<Task> tasks;
+  *total_cost = 0;  // (query row, key) pairs: each task's cost times the G heads
   for (int64_t s = 0; s < b; ++s) {
     const int64_t n = p.query_start ? p.query_start[s + 1] - p.query_start[s] : 1;
     const int64_t len = p.seq_lens[s];
     for (int64_t j0 = 0; j0 < n; j0 += block) {
-      const int64_t j1 = std::min(n, j0 + block);
-      for (int64_t h = 0; h < p.hkv; ++h)
-        costed.push_back({(j1 - j0) * (len - n + j1), Task{s, h, j0, j1}});
+      const int64_t j1 = std::min(n, j0 + block), cost = (j1 - j0) * (len - n + j1);
+      for (int64_t h = 0; h < p.hkv; ++h) tasks.push_back(Task{s, h, j0, j1, cost});
+      *total_cost += cost * g * p.hkv;
     }
   }
-  std::stable_sort(costed.begin(), costed.end(),
-                   [](const auto& x, const auto& y) { return x.first > y.first; });
-  *total_cost = 0;
-  for (const auto& c : costed) *total_cost += c.first * g;
-  std::vector<Task> tasks;
-  tasks.reserve(costed.size());
-  for (const auto& c : costed) tasks.push_back(c.second);
+  std::stable_sort(tasks.begin(), tasks.end(),
+                   [](const Task& x, const Task& y) { return x.cost > y.cost; });
   return tasks;
 }
 
