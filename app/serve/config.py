@@ -51,8 +51,8 @@ class EngineArgs(_EngineFields):
     # Torch threads of a step in which one sequence computes >= threaded_step_min_tokens new
     # tokens (a long prompt's prefill); other steps run on one (app/engine/step_threads.py).
     # "auto": the CPUs this replica's process may use (affinity, capped by a cgroup CPU
-    # quota). None: leave torch's count alone
-    # (Ray sets OMP_NUM_THREADS=1 in a replica that reserves no CPUs: replica_num_cpus=0).
+    # quota). None: leave torch's count alone (Ray sets OMP_NUM_THREADS=1 in a replica that
+    # reserves no CPUs: replica_num_cpus=0).
     torch_threads: Annotated[int, Field(gt=0)] | Literal["auto"] | None = "auto"
     threaded_step_min_tokens: int = Field(default=256, gt=0)
     # Notes: tensor_parallel_size ranks run as Ray actors in the replica's placement group
