@@ -21,8 +21,9 @@ def test_local_yaml_args_validate():
     cfg = ServeArgs(**app["args"])
     assert cfg.mode == "disaggregated" and cfg.engine.kv_cache_dtype == "fp8_e4m3"
     assert cfg.num_prefill_replicas == cfg.num_decode_replicas == 1
-    # Served steps are smaller than offline ones (SERVE_DEFAULTS: TTFT under bursts)
-    assert cfg.engine.engine_config("m").scheduler.max_num_batched_tokens == 512
+    # A served step takes whole long prompts (SERVE_DEFAULTS: TTFT under a queue of them)
+    scheduler = cfg.engine.engine_config("m").scheduler
+    assert scheduler.max_num_batched_tokens == scheduler.long_prefill_chunk == 2048
 
 
 @pytest.mark.parametrize(
