@@ -169,11 +169,18 @@ class SchedulerConfig:
     max_num_batched_tokens: int = opt(2048, "tokens computed in one step, at most")
     max_waiting: int = opt(1024, "waiting sequences, at most (beyond: Overloaded, HTTP 429)")
     long_prefill_chunk: int = opt(512, "chunked prefill: new tokens of one sequence per step")
+    light_load_step_tokens: int | None = opt(
+        None,
+        "tokens per step (and per sequence) while the prompt tokens still to prefill fit in "
+        "one full step; None: max_num_batched_tokens always",
+    )
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting"):
             _check(_positive_int(getattr(self, name)), f"{name} must be a positive integer")
         _check(_positive_int(self.long_prefill_chunk), "long_prefill_chunk must be positive")
+        light = self.light_load_step_tokens
+        _check(light is None or _positive_int(light), "light_load_step_tokens must be > 0")
 
 
 def _positive_int(x: Any) -> bool:

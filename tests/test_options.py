@@ -35,6 +35,7 @@ VALID = {
     "max_num_batched_tokens": 100,
     "max_waiting": 9,
     "long_prefill_chunk": 64,
+    "light_load_step_tokens": 32,
 }
 INVALID = {
     "dtype": "float8",
@@ -53,6 +54,7 @@ INVALID = {
     "max_num_batched_tokens": -5,
     "max_waiting": 0,
     "long_prefill_chunk": 0,
+    "light_load_step_tokens": 0,
 }
 
 

@@ -1,7 +1,14 @@
 """Continuous batching: which sequences run this step and how many tokens each computes.
 
 Per step, under a token budget: running decodes first (one token each), then running
-prefills continue (chunked), then waiting sequences are admitted. When the block pool runs
+prefills continue (chunked), then waiting sequences are admitted.
+
+The budget follows the prefill backlog (`light_load_step_tokens`): while the prompt tokens
+still to compute fit in one full step, steps are small, so prompts are prefilled one after
+another in short steps (the first ones get their first token sooner, decodes wait less);
+once more wait, steps grow to `max_num_batched_tokens`, so a queue of long prompts drains
+as fast as it arrives instead of waiting for its first token (docs/long_prompts.md "The
+served token budget"). When the block pool runs
 dry the most recently admitted sequence is preempted: its blocks are released (they stay in
 the prefix cache) and it is recomputed later.
 """
@@ -9,6 +16,7 @@ the prefix cache) and it is recomputed later.
 from __future__ import annotations
 
 from collections import deque
+from itertools import chain
 from dataclasses import dataclass, field
 
 from app.config import SchedulerConfig
@@ -41,23 +49,35 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
         decodes = [s for s in self.running if s.is_decode]
         prefills = [s for s in self.running if not s.is_decode]
+        budget, chunk = self._step_budget(prefills)
         for seq in decodes + prefills:
             if seq.status is not SeqStatus.RUNNING or budget == 0:
                 continue
             # A decode with proposed tokens verifies them in this step (as an extend).
-            n = min(
-                seq.num_uncomputed + len(seq.spec_tokens), budget, self.config.long_prefill_chunk
-            )
+            n = min(seq.num_uncomputed + len(seq.spec_tokens), budget, chunk)
             seq.spec_tokens = seq.spec_tokens[: max(0, n - seq.num_uncomputed)]
             if self._reserve(seq, n, out):
                 out.scheduled.append((seq, n))
                 budget -= n
         if not out.preempted:  # memory is short: don't admit what would be preempted next
-            self._admit(out, budget)
+            self._admit(out, budget, chunk)
         return out
+
+    def _step_budget(self, prefills: list[Sequence]) -> tuple[int, int]:
+        """(tokens this step, tokens of one sequence): the light-load budget while the
+        prompt tokens left to compute fit in one full step, else the full one."""
+        full, chunk = self.config.max_num_batched_tokens, self.config.long_prefill_chunk
+        light = self.config.light_load_step_tokens
+        if light is None:
+            return full, chunk
+        backlog = 0
+        for seq in chain(prefills, self.waiting):  # stops once past one full step
+            backlog += seq.num_uncomputed
+            if backlog > full:
+                return full, chunk
+        return min(light, full), min(light, chunk)
 
     def _reserve(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
         """Finds blocks for n more tokens of seq, preempting later sequences if needed."""
@@ -77,7 +97,7 @@ class Scheduler:
         out.preempted.append(seq)
         self.num_preemptions += 1
 
-    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+    def _admit(self, out: SchedulerOutput, budget: int, chunk: int) -> None:
         for seq in list(self.waiting):
             if budget == 0 or len(self.running) >= self.config.max_num_seqs:
                 return
@@ -89,7 +109,7 @@ class Scheduler:
                 continue  # its imported KV is still being written (app/engine/transfers.py)
             if not seq.block_table:
                 self.blocks.match_prefix(seq)
-            n = min(seq.num_uncomputed, budget, self.config.long_prefill_chunk)
+            n = min(seq.num_uncomputed, budget, chunk)
             if not self.blocks.ensure_slots(seq, seq.num_computed_tokens + n):
                 self.blocks.free(seq)  # give back pinned prefix blocks; retry next step
                 seq.reset_for_recompute()

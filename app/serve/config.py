@@ -13,13 +13,14 @@ from app.options import OPTIONS, EngineOption, engine_config
 SERVE_DEFAULTS: dict[str, Any] = {
     "kv_cache_dtype": "fp8_e4m3",  # the point of slimserve: half the KV bytes
     "kv_cache_memory_bytes": 64 << 20,  # a small fixed budget; set it for real deployments
-    # Tokens per step, and no cap per prompt below it (vLLM's CPU server runs the same):
-    # under a closed loop of long prompts a step must prefill whole prompts as fast as
-    # they arrive, or they queue for their first token (docs/long_prompts.md "The served
-    # token budget": 1,000-token prompts at 32 streams, TTFT p50 2.6 s at 512 tokens per
-    # step and 512 per prompt, 0.37-0.54 s at 2,048 and 2,048).
+    # Steps of 512 tokens while the prompts still to prefill fit in one full step (the
+    # first of a burst get their first token sooner); past that, steps of 2,048 that take
+    # whole prompts (vLLM's CPU server's budget), so a queue of long prompts drains as they
+    # arrive (docs/long_prompts.md "The served token budget": 1,000-token prompts at 32
+    # streams waited 2.6 s for their first token with 512-token steps).
     "max_num_batched_tokens": 2048,
     "long_prefill_chunk": 2048,
+    "light_load_step_tokens": 512,
 }
 _PLACEHOLDER_MODEL = "<model>"  # deploy-time validation does not need the checkpoint
 

@@ -92,6 +92,46 @@ def test_overload_rejected_with_clear_error(llama_path):
     assert sorted(d.request_id for d in outs) == ["1", "2"]
 
 
+def _two_steps(llm, prompts: list[int]) -> list[list[tuple[str, int]]]:
+    """The (request, new tokens) of the next two steps after prompts of these lengths."""
+    for i, length in enumerate(prompts):
+        prompt = [3 + (i * 7 + j) % 290 for j in range(length)]
+        llm.engine.add_request(Request(f"p{i}", prompt, GREEDY))
+    steps = []
+    for _ in range(2):
+        out = llm.engine.scheduler.schedule()
+        steps.append([(s.request_id, n) for s, n in out.scheduled])
+        for seq, n in out.scheduled:  # what the engine's _apply does after the forward
+            seq.num_computed_tokens += n
+    return steps
+
+
+def _light_load_llm(llama_path, **kw):
+    options = dict(max_num_batched_tokens=64, long_prefill_chunk=64, light_load_step_tokens=16)
+    return LLM(llama_path, dtype="float32", device="cpu", block_size=4, **(options | kw))
+
+
+def test_steps_stay_small_while_the_prefill_backlog_fits_one_full_step(llama_path):
+    """Light load: prompts are prefilled one after another in light_load_step_tokens steps.
+    Seen failing with the light-load budget ignored (all 60 tokens in one step)."""
+    steps = _two_steps(_light_load_llm(llama_path), [40, 20])  # 60 <= 64
+    assert steps == [[("p0", 16)], [("p0", 16)]]
+
+
+def test_steps_grow_to_the_full_budget_once_prompts_queue(llama_path):
+    """A backlog over one full step: whole prompts up to max_num_batched_tokens, so a queue
+    of long prompts drains as fast as it arrives. Seen failing with the backlog counting only
+    the running prefills, and with the light budget applied regardless of the backlog."""
+    steps = _two_steps(_light_load_llm(llama_path), [40, 20, 20])  # 80 > 64
+    assert steps[0] == [("p0", 40), ("p1", 20), ("p2", 4)]
+    assert ("p2", 16) in steps[1]  # 16 left to prefill: a light step again
+
+
+def test_no_light_load_budget_means_the_full_budget_always(llama_path):
+    llm = _light_load_llm(llama_path, light_load_step_tokens=None)
+    assert _two_steps(llm, [40, 20])[0] == [("p0", 40), ("p1", 20)]
+
+
 def test_concurrent_long_prompts_share_steps_up_to_the_budget(llama_path):
     """Prefill batching (issue 34): prompts waiting together are prefilled in the same
     steps, each step filled to max_num_batched_tokens with at most long_prefill_chunk tokens
