@@ -16,8 +16,8 @@ the prefix cache) and it is recomputed later.
 from __future__ import annotations
 
 from collections import deque
-from itertools import chain
 from dataclasses import dataclass, field
+from itertools import chain
 
 from app.config import SchedulerConfig
 from app.engine.block_manager import BlockManager
