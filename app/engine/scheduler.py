@@ -3,12 +3,13 @@
 Per step, under a token budget: running decodes first (one token each), then running
 prefills continue (chunked), then waiting sequences are admitted.
 
-The budget follows the prefill backlog (`light_load_step_tokens`): while the prompt tokens
-still to compute fit in one full step, steps are small, so prompts are prefilled one after
-another in short steps (the first ones get their first token sooner, decodes wait less);
-once more wait, steps grow to `max_num_batched_tokens`, so a queue of long prompts drains
-as fast as it arrives instead of waiting for its first token (docs/long_prompts.md "The
-served token budget"). When the block pool runs
+The budget follows the prefill backlog (`light_load_step_tokens`): steps are small, so
+prompts are prefilled one after another in short steps (the first ones get their first
+token sooner, decodes wait less), until more than one full step of prompt tokens waits and
+some of it is a long prompt (one that needs more than a light step). Then steps grow to
+`max_num_batched_tokens`, so a queue of long prompts drains as fast as it arrives instead
+of waiting for its first token. Short prompts finish within one light step each, so light
+steps drain their queue (docs/long_prompts.md "The served token budget"). When the block pool runs
 dry the most recently admitted sequence is preempted: its blocks are released (they stay in
 the prefix cache) and it is recomputed later.
 """
@@ -66,16 +67,18 @@ class Scheduler:
         return out
 
     def _step_budget(self, prefills: list[Sequence]) -> tuple[int, int]:
-        """(tokens this step, tokens of one sequence): the light-load budget while the
-        prompt tokens left to compute fit in one full step, else the full one."""
+        """(tokens this step, tokens of one sequence): the full budget when more than one
+        full step of prompt tokens is left to compute and one of those prompts needs more
+        than a light step, else the light-load budget."""
         full, chunk = self.config.max_num_batched_tokens, self.config.long_prefill_chunk
         light = self.config.light_load_step_tokens
         if light is None:
             return full, chunk
-        backlog = 0
-        for seq in chain(prefills, self.waiting):  # stops once past one full step
+        backlog, long_prompt = 0, False
+        for seq in chain(prefills, self.waiting):  # stops once both hold
             backlog += seq.num_uncomputed
-            if backlog > full:
+            long_prompt = long_prompt or seq.num_uncomputed > light
+            if backlog > full and long_prompt:
                 return full, chunk
         return min(light, full), min(light, chunk)
 

@@ -127,6 +127,13 @@ def test_steps_grow_to_the_full_budget_once_prompts_queue(llama_path):
     assert ("p2", 16) in steps[1]  # 16 left to prefill: a light step again
 
 
+def test_a_queue_of_short_prompts_keeps_light_steps(llama_path):
+    """Prompts that each fit a light step drain in light steps, however many wait. Seen
+    failing with the backlog's size alone deciding."""
+    steps = _two_steps(_light_load_llm(llama_path), [12] * 8)  # 96 > 64, none over 16
+    assert steps[0] == [("p0", 12), ("p1", 4)]
+
+
 def test_no_light_load_budget_means_the_full_budget_always(llama_path):
     llm = _light_load_llm(llama_path, light_load_step_tokens=None)
     assert _two_steps(llm, [40, 20])[0] == [("p0", 40), ("p1", 20)]
