@@ -171,8 +171,8 @@ class SchedulerConfig:
     long_prefill_chunk: int = opt(512, "chunked prefill: new tokens of one sequence per step")
     light_load_step_tokens: int | None = opt(
         None,
-        "tokens per step (and per sequence) unless more than a full step of prompt tokens "
-        "waits, some of it a prompt longer than this; None: max_num_batched_tokens always",
+        "tokens per step (and per sequence) while no prompt left to compute is longer than "
+        "this; None: max_num_batched_tokens always",
     )
 
     def __post_init__(self):

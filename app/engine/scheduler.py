@@ -3,13 +3,12 @@
 Per step, under a token budget: running decodes first (one token each), then running
 prefills continue (chunked), then waiting sequences are admitted.
 
-The budget follows the prefill backlog (`light_load_step_tokens`): steps are small, so
-prompts are prefilled one after another in short steps (the first ones get their first
-token sooner, decodes wait less), until more than one full step of prompt tokens waits and
-some of it is a long prompt (one that needs more than a light step). Then steps grow to
-`max_num_batched_tokens`, so a queue of long prompts drains as fast as it arrives instead
-of waiting for its first token. Short prompts finish within one light step each, so light
-steps drain their queue (docs/long_prompts.md "The served token budget"). When the block pool runs
+The budget follows the prompts (`light_load_step_tokens`): while every prompt left to
+compute fits in one light step, steps are light, so a burst of short prompts is prefilled a
+few at a time (the first get their first token sooner, decodes wait less). While a longer
+one is running or waiting, steps grow to `max_num_batched_tokens`, so long prompts are
+prefilled whole and a queue of them drains as fast as it arrives instead of waiting for
+its first token (docs/long_prompts.md "The served token budget"). When the block pool runs
 dry the most recently admitted sequence is preempted: its blocks are released (they stay in
 the prefix cache) and it is recomputed later.
 """
@@ -67,19 +66,12 @@ class Scheduler:
         return out
 
     def _step_budget(self, prefills: list[Sequence]) -> tuple[int, int]:
-        """(tokens this step, tokens of one sequence): the full budget when more than one
-        full step of prompt tokens is left to compute and one of those prompts needs more
-        than a light step, else the light-load budget."""
+        """(tokens this step, tokens of one sequence): the full budget while a prompt left
+        to compute (running or waiting) needs more than a light step, else the light one."""
         full, chunk = self.config.max_num_batched_tokens, self.config.long_prefill_chunk
         light = self.config.light_load_step_tokens
-        if light is None:
+        if light is None or any(s.num_uncomputed > light for s in chain(prefills, self.waiting)):
             return full, chunk
-        backlog, long_prompt = 0, False
-        for seq in chain(prefills, self.waiting):  # stops once both hold
-            backlog += seq.num_uncomputed
-            long_prompt = long_prompt or seq.num_uncomputed > light
-            if backlog > full and long_prompt:
-                return full, chunk
         return min(light, full), min(light, chunk)
 
     def _reserve(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:

@@ -13,11 +13,11 @@ from app.options import OPTIONS, EngineOption, engine_config
 SERVE_DEFAULTS: dict[str, Any] = {
     "kv_cache_dtype": "fp8_e4m3",  # the point of slimserve: half the KV bytes
     "kv_cache_memory_bytes": 64 << 20,  # a small fixed budget; set it for real deployments
-    # Steps of 512 tokens, and of 2,048 that take whole prompts (vLLM's CPU server's
-    # budget) while more than 2,048 prompt tokens wait, some of them a prompt over 512: a
-    # queue of long prompts then drains as they arrive (docs/long_prompts.md "The served
-    # token budget": 1,000-token prompts at 32 streams waited 2.6 s for their first token
-    # with 512-token steps), and short prompts keep the small steps that suit them.
+    # Steps of 512 tokens for short prompts (the first of a burst get their first token
+    # sooner), and of 2,048 that take whole prompts (vLLM's CPU server's budget) while a
+    # prompt over 512 tokens is to be prefilled: a queue of long prompts then drains as
+    # they arrive (docs/long_prompts.md "The served token budget": 1,000-token prompts at
+    # 32 streams waited 2.6 s for their first token with 512-token steps).
     "max_num_batched_tokens": 2048,
     "long_prefill_chunk": 2048,
     "light_load_step_tokens": 512,

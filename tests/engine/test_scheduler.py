@@ -111,27 +111,20 @@ def _light_load_llm(llama_path, **kw):
     return LLM(llama_path, dtype="float32", device="cpu", block_size=4, **(options | kw))
 
 
-def test_steps_stay_small_while_the_prefill_backlog_fits_one_full_step(llama_path):
-    """Light load: prompts are prefilled one after another in light_load_step_tokens steps.
-    Seen failing with the light-load budget ignored (all 60 tokens in one step)."""
-    steps = _two_steps(_light_load_llm(llama_path), [40, 20])  # 60 <= 64
-    assert steps == [[("p0", 16)], [("p0", 16)]]
-
-
-def test_steps_grow_to_the_full_budget_once_prompts_queue(llama_path):
-    """A backlog over one full step: whole prompts up to max_num_batched_tokens, so a queue
-    of long prompts drains as fast as it arrives. Seen failing with the backlog counting only
-    the running prefills, and with the light budget applied regardless of the backlog."""
-    steps = _two_steps(_light_load_llm(llama_path), [40, 20, 20])  # 80 > 64
-    assert steps[0] == [("p0", 40), ("p1", 20), ("p2", 4)]
-    assert ("p2", 16) in steps[1]  # 16 left to prefill: a light step again
-
-
-def test_a_queue_of_short_prompts_keeps_light_steps(llama_path):
-    """Prompts that each fit a light step drain in light steps, however many wait. Seen
-    failing with the backlog's size alone deciding."""
-    steps = _two_steps(_light_load_llm(llama_path), [12] * 8)  # 96 > 64, none over 16
+def test_short_prompts_are_prefilled_in_light_steps(llama_path):
+    """Prompts that each fit a light step: light steps, however many wait. Seen failing with
+    the light budget ignored, and with the queue's total size deciding."""
+    steps = _two_steps(_light_load_llm(llama_path), [12] * 8)  # 96 tokens, none over 16
     assert steps[0] == [("p0", 12), ("p1", 4)]
+
+
+def test_a_long_prompt_gets_full_steps_that_take_whole_prompts(llama_path):
+    """A prompt longer than a light step, waiting or running: whole prompts up to
+    max_num_batched_tokens. Seen failing with the light budget applied always, and with only
+    the running prefills looked at (the first step then stays light)."""
+    steps = _two_steps(_light_load_llm(llama_path), [12, 40, 20])
+    assert steps[0] == [("p0", 12), ("p1", 40), ("p2", 12)]
+    assert ("p2", 8) in steps[1]  # 8 left: a light step again
 
 
 def test_no_light_load_budget_means_the_full_budget_always(llama_path):
@@ -152,14 +145,6 @@ def test_concurrent_long_prompts_share_steps_up_to_the_budget(llama_path):
         max_num_batched_tokens=64,
         long_prefill_chunk=24,
     )
-    for i in range(4):
-        prompt = [3 + (i * 7 + j) % 290 for j in range(40)]
-        llm.engine.add_request(Request(f"p{i}", prompt, GREEDY))
-    steps = []
-    for _ in range(2):
-        out = llm.engine.scheduler.schedule()
-        steps.append([(s.request_id, n) for s, n in out.scheduled])
-        for seq, n in out.scheduled:  # what the engine's _apply does after the forward
-            seq.num_computed_tokens += n
+    steps = _two_steps(llm, [40] * 4)
     assert steps[0] == [("p0", 24), ("p1", 24), ("p2", 16)]  # 64: three prompts, one step
     assert steps[1] == [("p0", 16), ("p1", 16), ("p2", 24), ("p3", 8)]  # running ones first
