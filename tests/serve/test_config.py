@@ -24,6 +24,7 @@ def test_local_yaml_args_validate():
     # A served step takes whole long prompts (SERVE_DEFAULTS: TTFT under a queue of them)
     scheduler = cfg.engine.engine_config("m").scheduler
     assert scheduler.max_num_batched_tokens == scheduler.long_prefill_chunk == 2048
+    assert scheduler.light_load_step_tokens == 512  # short prompts keep small steps
 
 
 @pytest.mark.parametrize(
