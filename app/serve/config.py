@@ -109,6 +109,11 @@ class ServeArgs(BaseModel):
     # decode call placed then, so the decode replica fetches and imports them while the
     # rest is computed. False: the prompt's KV is published after its first token.
     overlap_hand_off: bool = True
+    # Disaggregated, where a prefill replica runs on its decode replica's cores or GPU
+    # (app/serve/routing/compute.py): "local" prefills long prompts on the decode replica
+    # unless it cannot hold them (a remote prefill there buys no compute and adds the
+    # hand-off's work); "load" compares the two queues as for separate compute.
+    prefill_on_shared_compute: Literal["local", "load"] = "local"
     replica_num_cpus: float = Field(default=0.0, ge=0)
     replica_num_gpus: float = Field(default=0.0, ge=0)
     # Backpressure: beyond these, requests get HTTP 429 with Retry-After.

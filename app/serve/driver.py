@@ -178,6 +178,7 @@ class RequestDriver:
         placement = place_prefill(PromptLoad(n), prefill, decode, config)
         view.placed(placement.where, n)
         self.metrics.inc("slimserve:prefill_placements", 1, **placement.labels)
+        self.metrics.set("slimserve:prefill_shares_compute", int(prefill.shares_compute))
         return placement.where == "local"
 
     async def _one_call(

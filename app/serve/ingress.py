@@ -79,6 +79,7 @@ class Ingress(GrpcIngress):  # gRPC adapter: app/serve/grpc_api/grpc_servicer.py
                 short_prompt_tokens=local,
                 step_prefill_tokens=self.args.engine.max_num_batched_tokens,
                 max_decode_running=self.args.max_ongoing_requests,
+                local_on_shared_compute=self.args.prefill_on_shared_compute == "local",
             )
         self.driver = RequestDriver(
             metrics, prefill, decode, engine, hints, hand_offs=hand_offs,

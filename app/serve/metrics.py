@@ -87,6 +87,9 @@ SPECS: dict[str, MetricSpec] = {
     "slimserve:decode_headroom_tokens": MetricSpec(
         "gauge", "Free KV tokens less queued local prefills on this decode replica (placement)."
     ),
+    "slimserve:prefill_shares_compute": MetricSpec(
+        "gauge", "1 when the least-loaded prefill replica runs on its decode replica's compute."
+    ),
     "slimserve:local_prefills": MetricSpec(
         "counter", "Choices given to their decode replica to prefill (a prompt under a KV chunk)."
     ),

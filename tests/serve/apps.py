@@ -36,6 +36,9 @@ def tiny_serve_args(model: str, **overrides) -> dict:
         "allow_routing_hints": True,
         "api_key_cache_salts": {"key-tenant-a": "tenant-a", "key-tenant-b": "tenant-b"},
         "max_prompt_tokens": 400,
+        # Placed by load on any box: on one with a single core even one thread per replica
+        # shares it (tests/serve/disaggregated/test_shared_compute.py tests the default).
+        "prefill_on_shared_compute": "load",
         **overrides,
     }
 

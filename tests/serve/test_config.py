@@ -25,12 +25,15 @@ def test_local_yaml_args_validate():
     scheduler = cfg.engine.engine_config("m").scheduler
     assert scheduler.max_num_batched_tokens == scheduler.long_prefill_chunk == 2048
     assert scheduler.light_load_step_tokens == 512  # short prompts keep small steps
+    # long prompts prefill on a decode replica that shares the prefill replica's cores
+    assert cfg.prefill_on_shared_compute == "local"
 
 
 @pytest.mark.parametrize(
     "bad",
     [
         {"mode": "both"},
+        {"prefill_on_shared_compute": "remote"},
         {"num_prefil_replicas": 2},  # typo: unknown fields are errors
         {"engine": {"chunk_tokens": 100, "block_size": 16}},
         {"max_queued_requests": 0},

@@ -7,13 +7,15 @@ from app.engine.sampling_params import SamplingParams
 from app.serve.driver import RequestDriver
 from app.serve.messages import GenerateRequest, RoutingInfo
 from app.serve.metrics import ReplicaMetrics
+from app.serve.routing.compute import Compute
 from app.serve.routing.load_view import LoadView
 from app.serve.routing.prefill_placement import PlacementConfig
 from serve.test_driver import FakeBox, FakeHandle
 
 
-def report(queued: int, free: int = 100_000, running: int = 0) -> dict:
-    return {"queued_prefill_tokens": queued, "free_kv_tokens": free, "num_running": running}
+def report(queued: int, free: int = 100_000, running: int = 0, compute=None) -> dict:
+    return {"queued_prefill_tokens": queued, "free_kv_tokens": free, "num_running": running,
+            "compute": compute.report() if compute else None}  # fmt: skip
 
 
 def test_placed_tokens_count_until_the_next_report():
@@ -31,6 +33,19 @@ def test_placed_tokens_count_until_the_next_report():
     assert view.decode_load().headroom_tokens == 4096 - 300
     view.update([report(700)], [report(300, free=4096)])
     assert view.prefill_load().queued_tokens == 700
+
+
+def test_shared_compute_is_judged_between_the_chosen_replicas():
+    """The prefill side shares compute when its least-loaded replica runs on the decode
+    replica the choice would go to. Seen failing with the first prefill replica compared."""
+    here, there = Compute("a", (), (0, 1), 2), Compute("b", (), (0, 1), 2)
+    view = LoadView(None, None, period_s=1.0)
+    view.update([report(900, compute=there), report(0, compute=here)], [report(0, compute=here)])
+    assert view.prefill_load().shares_compute
+    view.update([report(0, compute=there), report(900, compute=here)], [report(0, compute=here)])
+    assert not view.prefill_load().shares_compute
+    view.update([report(0)], [report(0, compute=here)])  # not reported: not shared
+    assert not view.prefill_load().shares_compute
 
 
 def _driver(prefill_queue: int, decode_free: int = 100_000) -> RequestDriver:

@@ -15,6 +15,7 @@ from app.serve.routing.prefill_placement import (
     LOCAL_FASTER,
     NO_PREFILL_REPLICA,
     REMOTE_DEFAULT,
+    SHARED_COMPUTE,
     SHORT_PROMPT,
     DecodeLoad,
     PlacementConfig,
@@ -198,3 +199,28 @@ def test_a_short_prompt_needs_only_room_for_itself_on_a_small_decode_cache():
     idle = PrefillLoad(queued_tokens=0, num_replicas=1)
     assert place_prefill(PromptLoad(20), idle, small, config).where == "local"
     assert place_prefill(PromptLoad(200), idle, small, config).reason == "decode_kv_full"
+
+
+SHARED_IDLE_PREFILL = dataclasses.replace(IDLE_PREFILL, shares_compute=True)
+
+
+def test_a_prefill_replica_on_the_decode_replicas_compute_leaves_long_prompts_local():
+    """On shared cores a remote prefill buys no compute: local even with the prefill replica
+    idle (remote would win without the input). Seen failing with the input ignored."""
+    p = place(prefill=SHARED_IDLE_PREFILL, config=dataclasses.replace(CONFIG, handoff_s=0.01))
+    assert (p.where, p.reason) == ("local", SHARED_COMPUTE)
+    assert place(prefill=IDLE_PREFILL).where == "remote"
+
+
+def test_shared_compute_compared_by_load_when_so_configured():
+    by_load = dataclasses.replace(CONFIG, local_on_shared_compute=False)
+    p = place(prefill=SHARED_IDLE_PREFILL, config=by_load)
+    assert (p.where, p.reason) == ("remote", REMOTE_DEFAULT)
+
+
+def test_shared_compute_keeps_the_decode_replicas_limits():
+    """What the decode replica cannot take still goes remote on shared compute."""
+    full = DecodeLoad(free_kv_tokens=500, num_running=0)
+    assert place(prefill=SHARED_IDLE_PREFILL, decode=full).reason == DECODE_KV_FULL
+    busy = DecodeLoad(free_kv_tokens=100_000, num_running=48)
+    assert place(prefill=SHARED_IDLE_PREFILL, decode=busy).reason == DECODE_BATCH_FULL

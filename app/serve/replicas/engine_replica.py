@@ -46,7 +46,7 @@ class EngineReplica:
     def record_routing_stats(self) -> dict[str, Any]:
         return self.host.routing_stats()
 
-    def placement_load(self) -> dict[str, int]:
+    def placement_load(self) -> dict[str, Any]:
         """Broadcast by each ingress every routing period (app/serve/routing/load_view.py)."""
         return self.host.placement_load()
 

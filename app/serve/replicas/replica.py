@@ -21,6 +21,7 @@ from app.serve.config import EngineArgs, ServeArgs
 from app.serve.messages import prompt_chunk_keys, short_key
 from app.serve.metrics import ReplicaMetrics, model_label
 from app.serve.routing.autoscaling import autoscaling_stats
+from app.serve.routing.compute import Compute, this_replica
 
 log = logging.getLogger(__name__)
 _RECENT_KEYS = 2048  # chunk keys a replica advertises for prefix affinity
@@ -69,6 +70,7 @@ class EngineHost:
         self._recent: OrderedDict[int, None] = OrderedDict()
         model = model_label(args.served_model_name, self.engine.config.model)
         self.metrics = ReplicaMetrics(role, model)  # app/serve/metrics.py
+        self.compute = _compute(self.engine.config, threads or torch.get_num_threads())
 
     def _start_engine(self, config: EngineConfig) -> Engine:
         if config.tensor_parallel_size == 1:
@@ -188,22 +190,32 @@ class EngineHost:
             headroom = load["free_kv_tokens"] - load["queued_prefill_tokens"]
             self.metrics.set("slimserve:decode_headroom_tokens", headroom)
 
-    def placement_load(self, stats: dict[str, Any] | None = None) -> dict[str, int]:
+    def placement_load(self, stats: dict[str, Any] | None = None) -> dict[str, Any]:
         """What the ingress's prefill placement policy reads (app/serve/routing/load_view.py): the
         prompt tokens still to prefill here (a prefill replica: every prompt in flight; a
         decode replica: the prompts it was given to prefill, until their first token), its
-        free KV tokens and its running batch. ``stats``: `Engine.stats()` if already read."""
+        free KV tokens, its running batch and where it computes. ``stats``:
+        `Engine.stats()` if already read."""
         s = stats if stats is not None else self.engine.stats()
         queued = self.inflight_tokens if self.role == "prefill" else self.local_prefill_tokens
         return {
             "queued_prefill_tokens": queued,
             "free_kv_tokens": int(s["kv_blocks_free"]) * self.block_size,
             "num_running": int(s["num_running"]),
+            "compute": self.compute.report() if self.compute else None,
         }
 
     def autoscaling_stats(self) -> dict[str, float]:
         """The load Serve's autoscaler sees (app/serve/routing/autoscaling.py)."""
         return autoscaling_stats(self.engine.stats(), self.inflight_tokens)
+
+
+def _compute(config: EngineConfig, threads: int) -> Compute | None:
+    """Where this replica computes; None (never shared) for a tensor-parallel group, whose
+    compute is its workers' (app/serve/replicas/tp_workers.py), and outside Ray."""
+    if config.tensor_parallel_size > 1 or not ray.is_initialized():
+        return None
+    return this_replica(threads)
 
 
 def is_full(chunk: KVChunk, chunk_tokens: int) -> bool:

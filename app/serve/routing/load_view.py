@@ -6,8 +6,9 @@ does not all land on one side.
 
 The prefill side is its least-loaded replica (where the token-aware router sends a prompt);
 the decode side is the decode replica with the most KV headroom (where the router sends
-the choice). Until the first report, the view says nothing is known and the policy falls
-back to the prompt-length rule.
+the choice); whether the two share compute comes from where each reports it runs. Until
+the first report, the view says nothing is known and the policy falls back to the
+prompt-length rule.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 
 from ray.serve.handle import DeploymentHandle
 
+from app.serve.routing.compute import Compute, shares_compute
 from app.serve.routing.prefill_placement import DecodeLoad, PrefillLoad
 
 log = logging.getLogger(__name__)
@@ -31,6 +33,7 @@ class ReplicaLoad:
     queued_prefill_tokens: int  # prompt tokens admitted and not yet computed there
     free_kv_tokens: int
     num_running: int
+    compute: Compute | None = None  # where it runs (None: not reported)
 
     @classmethod
     def from_report(cls, report: dict) -> ReplicaLoad:
@@ -38,6 +41,7 @@ class ReplicaLoad:
             int(report["queued_prefill_tokens"]),
             int(report["free_kv_tokens"]),
             int(report["num_running"]),
+            Compute.from_report(report.get("compute")),
         )
 
 
@@ -67,13 +71,19 @@ class LoadView:
         self._placed[where] += tokens
 
     def prefill_load(self) -> PrefillLoad:
-        queued = min(r.queued_prefill_tokens for r in self.prefill_replicas)
-        return PrefillLoad(queued + self._placed["remote"], len(self.prefill_replicas))
+        least = min(self.prefill_replicas, key=lambda r: r.queued_prefill_tokens)
+        queued = least.queued_prefill_tokens + self._placed["remote"]
+        shared = shares_compute(least.compute, self._decode_replica().compute)
+        return PrefillLoad(queued, len(self.prefill_replicas), shares_compute=shared)
 
     def decode_load(self) -> DecodeLoad:
-        best = max(self.decode_replicas, key=lambda r: r.free_kv_tokens - r.queued_prefill_tokens)
+        best = self._decode_replica()
         queued = best.queued_prefill_tokens + self._placed["local"]
         return DecodeLoad(best.free_kv_tokens, best.num_running, queued)
+
+    def _decode_replica(self) -> ReplicaLoad:
+        """The one with the most KV headroom (where the router sends the choice)."""
+        return max(self.decode_replicas, key=lambda r: r.free_kv_tokens - r.queued_prefill_tokens)
 
     def update(self, prefill: list[dict], decode: list[dict]) -> None:
         """A new report from every replica: it includes what was placed before it."""

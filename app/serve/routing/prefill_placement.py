@@ -21,7 +21,10 @@ down at most ``max_itl_slowdown``x:
 Rules, in order: no prefill replica -> local; the decode replica cannot hold the prompt ->
 remote; a prompt of at most ``short_prompt_tokens`` (it fills no KV chunk, so nothing to
 share) -> local; a longer one that would eat into the headroom kept for the running
-sequences -> remote; batch or ITL cap reached -> remote; else local only if clearly faster,
+sequences -> remote; batch or ITL cap reached -> remote; the prefill replica shares the
+decode replica's compute (``prefill.shares_compute``: the same cores or GPU, so a remote
+prefill buys no compute and adds the hand-off's work; app/serve/routing/compute.py) and
+``config.local_on_shared_compute`` -> local; else local only if clearly faster,
 ``local * (1 + local_margin) + local_min_gain_s < remote``. The margins keep small load
 swings (and the ingress's own placements not yet reported done) from flipping
 placements; at equal estimates remote wins, as its chunks reach the store for every replica.
@@ -42,12 +45,13 @@ PREFILL_QUEUE_TOKENS = "slimserve:prefill_queue_tokens"  # least-loaded prefill 
 PREFILL_RATE = "slimserve:prefill_rate_tokens_per_second"  # tag side: remote | local
 DECODE_HEADROOM_TOKENS = "slimserve:decode_headroom_tokens"  # free KV minus queued prefill
 DECODE_STEP_SECONDS = "slimserve:decode_step_seconds"  # recent decode step time
+SHARES_COMPUTE = "slimserve:prefill_shares_compute"  # 1: on the decode replica's compute
 TTFT_ESTIMATE = "slimserve:prefill_placement_ttft_estimate_seconds"  # histogram, tag where
 
 # Reasons (a bounded label set).
 NO_PREFILL_REPLICA, DECODE_KV_FULL, SHORT_PROMPT = "no_prefill_replica", "decode_kv_full", "short"
 DECODE_BATCH_FULL, DECODE_ITL_CAP = "decode_batch_full", "decode_itl_cap"
-LOCAL_FASTER = "local_faster"
+LOCAL_FASTER, SHARED_COMPUTE = "local_faster", "shared_compute"
 REMOTE_DEFAULT = "remote_default"  # local not faster by the margin: remote faster, equal, close
 
 
@@ -56,6 +60,7 @@ class PrefillLoad:
     queued_tokens: int  # prompt tokens still to compute on the least-loaded prefill replica
     num_replicas: int  # running prefill replicas; 0: every prompt prefills locally
     rate: float | None = None  # measured prefill tokens/s (EWMA); None: not measured yet
+    shares_compute: bool = False  # it runs on the decode replica's cores or GPU
 
     def __post_init__(self):
         assert self.queued_tokens >= 0 and self.num_replicas >= 0, self
@@ -103,6 +108,10 @@ class PlacementConfig:
     # ... and by this much: a short remote queue (a few requests' worth, or the ingress's own
     # placements between two load reports) is no reason to prefill beside running decodes
     local_min_gain_s: float = 0.05
+    # A prefill replica on the decode replica's compute: prefill locally (what the decode
+    # replica can hold and its caps allow); False: compare the two queues as for separate
+    # compute (ServeArgs.prefill_on_shared_compute)
+    local_on_shared_compute: bool = True
 
     def __post_init__(self):
         assert self.short_prompt_tokens >= 0 and self.fallback_prefill_rate > 0, self
@@ -177,6 +186,8 @@ def place_prefill(
         prefill_s = min(config.step_prefill_tokens / config.rate(decode.prefill_rate), local)
         if (step + prefill_s) / step > config.max_itl_slowdown:
             return placed("remote", DECODE_ITL_CAP)
+    if prefill.shares_compute and config.local_on_shared_compute:
+        return placed("local", SHARED_COMPUTE)
     if local * (1 + config.local_margin) + config.local_min_gain_s < remote:
         return placed("local", LOCAL_FASTER)
     return placed("remote", REMOTE_DEFAULT)
