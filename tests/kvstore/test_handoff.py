@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import time
 
 import numpy as np
 import pytest
@@ -105,7 +106,9 @@ def test_chunk_refs_handed_off_through_the_box_stay_readable(ray_session):
         gc.collect()
         value = await hand_offs.take("k", within_s=10)
         read = await value["chunks"][0]
-        ray.kill(ray.get_actor(box_name(name), namespace=STORE_NAMESPACE), no_restart=True)
+        old = ray.get_actor(box_name(name), namespace=STORE_NAMESPACE)
+        ray.kill(old, no_restart=True)
+        await dead(old)  # the kill lands asynchronously: a post before it went to the old box
         await hand_offs.post("k2", 5)  # the dead box is replaced, the post retried
         again = await hand_offs.take("k2", within_s=10)
         return read, again, await hand_offs.stats()
@@ -116,6 +119,18 @@ def test_chunk_refs_handed_off_through_the_box_stay_readable(ray_session):
         ray.kill(hand_offs.box)
     assert np.array_equal(read, data) and again == 5
     assert stats["held"] == 0 and stats["posted"] == 1
+
+
+async def dead(actor, deadline_s: float = 30.0) -> None:
+    """Returns once calls to ``actor`` fail (its kill has landed)."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        try:
+            await actor.stats.remote()
+        except ray.exceptions.RayActorError:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("the killed box still answers")
 
 
 def test_a_discarded_key_drops_its_value_when_posted():
