@@ -42,7 +42,13 @@ from app.serve.messages import (
 )
 from app.serve.metrics import ReplicaMetrics
 from app.serve.routing.load_view import LoadView
-from app.serve.routing.prefill_placement import PlacementConfig, PromptLoad, place_prefill
+from app.serve.routing.prefill_placement import (
+    PLACEMENTS,
+    SHARES_COMPUTE,
+    PlacementConfig,
+    PromptLoad,
+    place_prefill,
+)
 
 _PLACEMENTS = 1024  # placements kept for the debug view; streams never collect theirs
 
@@ -177,8 +183,8 @@ class RequestDriver:
         prefill, decode = view.prefill_load(), view.decode_load()
         placement = place_prefill(PromptLoad(n), prefill, decode, config)
         view.placed(placement.where, n)
-        self.metrics.inc("slimserve:prefill_placements", 1, **placement.labels)
-        self.metrics.set("slimserve:prefill_shares_compute", int(prefill.shares_compute))
+        self.metrics.inc(PLACEMENTS, 1, **placement.labels)
+        self.metrics.set(SHARES_COMPUTE, int(prefill.shares_compute))
         return placement.where == "local"
 
     async def _one_call(

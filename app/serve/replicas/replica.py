@@ -22,6 +22,7 @@ from app.serve.messages import prompt_chunk_keys, short_key
 from app.serve.metrics import ReplicaMetrics, model_label
 from app.serve.routing.autoscaling import autoscaling_stats
 from app.serve.routing.compute import Compute, this_replica
+from app.serve.routing.prefill_placement import DECODE_HEADROOM_TOKENS, PREFILL_QUEUE_TOKENS
 
 log = logging.getLogger(__name__)
 _RECENT_KEYS = 2048  # chunk keys a replica advertises for prefix affinity
@@ -185,10 +186,10 @@ class EngineHost:
         decode (or colocated) replica's KV headroom."""
         load = self.placement_load(stats)
         if self.role == "prefill":
-            self.metrics.set("slimserve:prefill_queue_tokens", load["queued_prefill_tokens"])
+            self.metrics.set(PREFILL_QUEUE_TOKENS, load["queued_prefill_tokens"])
         else:
             headroom = load["free_kv_tokens"] - load["queued_prefill_tokens"]
-            self.metrics.set("slimserve:decode_headroom_tokens", headroom)
+            self.metrics.set(DECODE_HEADROOM_TOKENS, headroom)
 
     def placement_load(self, stats: dict[str, Any] | None = None) -> dict[str, Any]:
         """What the ingress's prefill placement policy reads (app/serve/routing/load_view.py): the
