@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import torch
 
@@ -31,6 +32,7 @@ from app.engine.spec.deltas import merge_deltas
 from app.engine.spec.factory import extra_block_bytes, make_speculator, uses_mtp
 from app.engine.spec.sampling import plain_greedy
 from app.engine.step import execute, plan_step
+from app.engine.step_rates import StepRates
 from app.engine.step_threads import StepThreads
 from app.engine.structured.manager import StructuredOutputs
 from app.engine.tp_driver import DriverRunner, ShardedKVCache, min_over_ranks
@@ -102,6 +104,7 @@ class Engine:
         self._pending: list[RequestDelta] = []
         self._imports: list[Sequence] = []  # import-only requests (Request.import_only)
         self.step_threads: StepThreads | None = None  # None: torch's thread count as set
+        self.step_rates = StepRates()  # its measured decode step time and prefill rate
 
     def _build_cache_and_runner(self, num_blocks: int, ops) -> None:
         args = (self.model, ops, self.model_config.head_dim, self.device)
@@ -261,15 +264,24 @@ class Engine:
         plan = plan_step(out.scheduled, self.kv_spec.block_size)
         if self.step_threads is not None:  # set on the stepping thread (step_threads.py)
             self.step_threads.apply(max(n for _, n in out.scheduled))  # longest chunk
+        started = time.perf_counter()
         result = self.runner.run(plan)
         sampled = [out.scheduled[i][0] for i in result.sampled]
         if sampled:  # [rows, V]: grammar rows (speculated ones too) get -inf outside
             self.structured.mask(result.logits, sampled)
         emitted = self._sample(result.logits, sampled)
+        self._time_step(out, time.perf_counter() - started)
         deltas += self._apply(out, sampled, emitted)
         if self.speculator is not None:
             self.speculator.after_step(out.scheduled, starts, self.runner.last_hidden)
         return deltas
+
+    def _time_step(self, out: SchedulerOutput, seconds: float) -> None:
+        """The step's wall time into the measured rates (before `_apply` moves the
+        sequences on: a sequence still in its prompt computed prompt tokens)."""
+        prefill = sum(n for seq, n in out.scheduled if not seq.prompt_done)
+        decode_rows = sum(1 for seq, _ in out.scheduled if seq.prompt_done)
+        self.step_rates.record(prefill, decode_rows, seconds)
 
     def _apply_transfers(self) -> list[RequestDelta]:
         """KV transfers the side thread finished: export deltas, failed requests, and
@@ -379,5 +391,8 @@ class Engine:
             "prefix_cache_hits": s.hits,
             "prefix_cache_evictions": s.evictions,
             "preemptions": self.scheduler.num_preemptions,
+            # 0: no such step yet (step_rates.py)
+            "decode_step_seconds": self.step_rates.decode_step_s or 0.0,
+            "prefill_tokens_per_second": self.step_rates.prefill_tokens_per_s or 0.0,
             **(self.speculator.stats.as_dict() if self.speculator is not None else {}),
         }

@@ -114,6 +114,10 @@ class ServeArgs(BaseModel):
     # unless it cannot hold them (a remote prefill there buys no compute and adds the
     # hand-off's work); "load" compares the two queues as for separate compute.
     prefill_on_shared_compute: Literal["local", "load"] = "local"
+    # Disaggregated: a long prompt prefills on its decode replica only while a step of it
+    # would make the running sequences' steps at most this many times slower (from the
+    # replica's measured decode step time and prefill rate); None: no such cap.
+    prefill_max_itl_slowdown: float | None = Field(default=None, gt=1)
     replica_num_cpus: float = Field(default=0.0, ge=0)
     replica_num_gpus: float = Field(default=0.0, ge=0)
     # Backpressure: beyond these, requests get HTTP 429 with Retry-After.

@@ -45,6 +45,7 @@ from app.serve.routing.load_view import LoadView
 from app.serve.routing.prefill_placement import (
     PLACEMENTS,
     SHARES_COMPUTE,
+    TTFT_ESTIMATE,
     PlacementConfig,
     PromptLoad,
     place_prefill,
@@ -184,6 +185,7 @@ class RequestDriver:
         placement = place_prefill(PromptLoad(n), prefill, decode, config)
         view.placed(placement.where, n)
         self.metrics.inc(PLACEMENTS, 1, **placement.labels)
+        self.metrics.observe(TTFT_ESTIMATE, placement.ttft_s, where=placement.where)
         self.metrics.set(SHARES_COMPUTE, int(prefill.shares_compute))
         return placement.where == "local"
 

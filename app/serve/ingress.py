@@ -75,12 +75,7 @@ class Ingress(GrpcIngress):  # gRPC adapter: app/serve/grpc_api/grpc_servicer.py
         view = config = None
         if prefill is not None:  # disaggregated: each prefill placed by load
             view = LoadView(prefill, decode, self.args.routing_stats_period_s)
-            config = PlacementConfig(
-                short_prompt_tokens=local,
-                step_prefill_tokens=self.args.engine.max_num_batched_tokens,
-                max_decode_running=self.args.max_ongoing_requests,
-                local_on_shared_compute=self.args.prefill_on_shared_compute == "local",
-            )
+            config = PlacementConfig.from_args(self.args)
         self.driver = RequestDriver(
             metrics, prefill, decode, engine, hints, hand_offs=hand_offs,
             local_prefill_tokens=local, inbox=inbox, load_view=view, placement_config=config,

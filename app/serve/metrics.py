@@ -90,6 +90,18 @@ SPECS: dict[str, MetricSpec] = {
     "slimserve:prefill_shares_compute": MetricSpec(
         "gauge", "1 when the least-loaded prefill replica runs on its decode replica's compute."
     ),
+    "slimserve:prefill_rate_tokens_per_second": MetricSpec(
+        "gauge", "Prompt tokens/s of this replica's prefill steps, measured (0: none yet)."
+    ),
+    "slimserve:decode_step_seconds": MetricSpec(
+        "gauge", "Wall time of this replica's decode-only steps, moving average (0: none yet)."
+    ),
+    "slimserve:prefill_placement_ttft_estimate_seconds": MetricSpec(
+        "histogram",
+        "The placement policy's TTFT estimate for the side it chose (where=local|remote).",
+        tags=("where",),
+        buckets=TTFT_BUCKETS,
+    ),
     "slimserve:local_prefills": MetricSpec(
         "counter", "Choices given to their decode replica to prefill (a prompt under a KV chunk)."
     ),
@@ -271,8 +283,9 @@ class ReplicaMetrics:
             if aclose is not None:  # closing us closes the engine stream now (abort, free KV)
                 await aclose()
 
-    def observe(self, name: str, value: float) -> None:
-        _metric(name).observe(value, self.tags)
+    def observe(self, name: str, value: float, **tags: str) -> None:
+        """``tags``: the values of the metric's own tags (MetricSpec.tags)."""
+        _metric(name).observe(value, {**self.tags, **tags})
 
     def inc(self, name: str, value: float, **tags: str) -> None:
         """``tags``: the values of the metric's own tags (MetricSpec.tags)."""

@@ -9,6 +9,7 @@ import yaml
 
 from app.serve.cli import serve_args
 from app.serve.config import ServeArgs
+from app.serve.routing.prefill_placement import PlacementConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LOCAL = os.path.join(ROOT, "deploy", "local.yaml")
@@ -27,6 +28,7 @@ def test_local_yaml_args_validate():
     assert scheduler.light_load_step_tokens == 512  # short prompts keep small steps
     # long prompts prefill on a decode replica that shares the prefill replica's cores
     assert cfg.prefill_on_shared_compute == "local"
+    assert cfg.prefill_max_itl_slowdown is None  # the batch cap alone guards ITL
 
 
 @pytest.mark.parametrize(
@@ -34,6 +36,7 @@ def test_local_yaml_args_validate():
     [
         {"mode": "both"},
         {"prefill_on_shared_compute": "remote"},
+        {"prefill_max_itl_slowdown": 1.0},  # a cap of 1x would forbid every local prefill
         {"num_prefil_replicas": 2},  # typo: unknown fields are errors
         {"engine": {"chunk_tokens": 100, "block_size": 16}},
         {"max_queued_requests": 0},
@@ -67,6 +70,21 @@ def test_short_prompts_prefill_locally_below_one_chunk():
     assert ServeArgs(local_prefill_max_tokens=100).local_prefill_tokens == 100
     with pytest.raises(pydantic.ValidationError, match="local_prefill_max_tokens.*chunk_tokens"):
         ServeArgs(local_prefill_max_tokens=256)
+
+
+def test_the_placement_policy_takes_its_settings_from_serve_args():
+    """Seen failing with `prefill_max_itl_slowdown` not passed on (the cap stayed None)."""
+    args = ServeArgs(
+        local_prefill_max_tokens=100, prefill_on_shared_compute="load",
+        prefill_max_itl_slowdown=3.0, max_ongoing_requests=12,
+        engine={"max_num_batched_tokens": 1024},
+    )  # fmt: skip
+    config = PlacementConfig.from_args(args)
+    assert (config.short_prompt_tokens, config.step_prefill_tokens) == (100, 1024)
+    assert config.max_decode_running == 12 and config.max_itl_slowdown == 3.0
+    assert not config.local_on_shared_compute
+    default = PlacementConfig.from_args(ServeArgs())
+    assert default.local_on_shared_compute and default.max_itl_slowdown is None
 
 
 def test_cli_flags_override_the_config_file():

@@ -3,19 +3,22 @@ replicas' reports (no Ray: reports are given to `LoadView.update` directly)."""
 
 from __future__ import annotations
 
+import pytest
+
 from app.engine.sampling_params import SamplingParams
+from app.serve import metrics
 from app.serve.driver import RequestDriver
 from app.serve.messages import GenerateRequest, RoutingInfo
 from app.serve.metrics import ReplicaMetrics
 from app.serve.routing.compute import Compute
 from app.serve.routing.load_view import LoadView
-from app.serve.routing.prefill_placement import PlacementConfig
+from app.serve.routing.prefill_placement import PLACEMENTS, TTFT_ESTIMATE, PlacementConfig
 from serve.test_driver import FakeBox, FakeHandle
 
 
-def report(queued: int, free: int = 100_000, running: int = 0, compute=None) -> dict:
+def report(queued: int, free: int = 100_000, running: int = 0, compute=None, **rates) -> dict:
     return {"queued_prefill_tokens": queued, "free_kv_tokens": free, "num_running": running,
-            "compute": compute.report() if compute else None}  # fmt: skip
+            "compute": compute.report() if compute else None, **rates}  # fmt: skip
 
 
 def test_placed_tokens_count_until_the_next_report():
@@ -46,6 +49,25 @@ def test_shared_compute_is_judged_between_the_chosen_replicas():
     assert not view.prefill_load().shares_compute
     view.update([report(0)], [report(0, compute=here)])  # not reported: not shared
     assert not view.prefill_load().shares_compute
+
+
+def test_the_chosen_replicas_measured_rates_reach_the_policy():
+    """The least-loaded prefill replica's measured rate, and the chosen decode replica's
+    step time and rate; not measured (None, 0, absent from an older replica's report) is
+    None. Seen failing with the rates left out of the loads (the policy's fallback)."""
+    view = LoadView(None, None, period_s=1.0)
+    prefill = [report(900, prefill_rate=500.0), report(0, prefill_rate=2500.0)]
+    decode = [report(0, free=100, prefill_rate=9.0, decode_step_s=9.0),
+              report(0, free=4096, prefill_rate=1800.0, decode_step_s=0.02)]  # fmt: skip
+    view.update(prefill, decode)
+    assert view.prefill_load().rate == 2500.0
+    assert view.decode_load().prefill_rate == 1800.0
+    assert view.decode_load().step_time_s == 0.02
+    view.update([report(0, prefill_rate=None)], [report(0, prefill_rate=0, decode_step_s=0.0)])
+    assert view.prefill_load().rate is None and view.decode_load().prefill_rate is None
+    assert view.decode_load().step_time_s is None
+    view.update([report(0)], [report(0)])
+    assert view.prefill_load().rate is None and view.decode_load().step_time_s is None
 
 
 def _driver(prefill_queue: int, decode_free: int = 100_000) -> RequestDriver:
@@ -87,3 +109,25 @@ def test_without_a_report_the_prompt_length_decides():
     driver = _driver(prefill_queue=20_000)
     driver.load_view = LoadView(None, None, period_s=1.0)  # nothing reported yet
     assert driver._prefills_locally(_gen(255)) and not driver._prefills_locally(_gen(256))
+
+
+def test_each_placement_records_its_ttft_estimate(monkeypatch):
+    """The estimate for the side chosen, tagged with it, beside the placement count: what an
+    operator compares with the TTFT measured. Seen failing with the observe call removed."""
+    seen: list[tuple[str, float, dict]] = []
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def inc(self, value, tags):
+            seen.append((self.name, value, tags))
+
+        set = observe = inc
+
+    monkeypatch.setattr(metrics, "_metric", Recorder)
+    driver = _driver(prefill_queue=20_000)  # fallback 4,096 tokens/s on both sides
+    assert driver._prefills_locally(_gen(600))
+    estimates = [(v, t["where"]) for n, v, t in seen if n == TTFT_ESTIMATE]
+    assert estimates == [(pytest.approx(600 / 4096), "local")]
+    assert any(n == PLACEMENTS and t["where"] == "local" for n, _, t in seen)

@@ -141,15 +141,32 @@ def test_equal_estimates_go_remote_and_repeat():
     assert len({place(prefill=SATURATED_PREFILL) for _ in range(100)}) == 1
 
 
-def test_prefill_rate_fallback_used_when_unmeasured():
+def test_prefill_rate_fallback_used_when_neither_side_measured():
     config = dataclasses.replace(CONFIG, fallback_prefill_rate=10_000.0)
     queued = PrefillLoad(queued_tokens=3000, num_replicas=1)
+    unmeasured_decode = dataclasses.replace(IDLE_DECODE, prefill_rate=None)
     for unmeasured in (queued, dataclasses.replace(queued, rate=0.0)):
-        p = place(prefill=unmeasured, config=config)
+        p = place(prefill=unmeasured, decode=unmeasured_decode, config=config)
         assert p.ttft_remote_s == pytest.approx(0.36)
-        assert p.where == "remote"
+        assert p.ttft_local_s == pytest.approx(0.06)
     measured = dataclasses.replace(queued, rate=1000.0)  # a measured rate wins over it
-    assert place(prefill=measured, config=config).where == "local"
+    p = place(prefill=measured, decode=unmeasured_decode, config=config)
+    assert p.ttft_remote_s == pytest.approx(3.6) and p.ttft_local_s == pytest.approx(0.6)
+
+
+def test_an_unmeasured_side_takes_the_other_sides_measured_rate():
+    """The same model on both sides: a decode replica that never prefilled is estimated at
+    its prefill replica's measured rate, not at the fallback. Seen failing with `with_rates`
+    skipped: the fallback's 10,000 tokens/s made a 600-token local prefill read 0.06 s
+    against a remote queue of 0.2 s at a measured 3,000 tokens/s, and go local."""
+    config = dataclasses.replace(CONFIG, fallback_prefill_rate=10_000.0)
+    fast_prefill = PrefillLoad(queued_tokens=0, num_replicas=1, rate=3000.0)
+    never_prefilled = dataclasses.replace(IDLE_DECODE, prefill_rate=None)
+    p = place(prefill=fast_prefill, decode=never_prefilled, config=config)
+    assert p.ttft_local_s == pytest.approx(0.2) == p.ttft_remote_s and p.where == "remote"
+    unmeasured_prefill = PrefillLoad(queued_tokens=3000, num_replicas=1)
+    p = place(prefill=unmeasured_prefill, config=config)  # the decode replica measured 1,000
+    assert p.ttft_remote_s == pytest.approx(3.6) and p.where == "local"
 
 
 def test_decode_replica_uses_its_own_prefill_rate():

@@ -22,7 +22,12 @@ from app.serve.messages import prompt_chunk_keys, short_key
 from app.serve.metrics import ReplicaMetrics, model_label
 from app.serve.routing.autoscaling import autoscaling_stats
 from app.serve.routing.compute import Compute, this_replica
-from app.serve.routing.prefill_placement import DECODE_HEADROOM_TOKENS, PREFILL_QUEUE_TOKENS
+from app.serve.routing.prefill_placement import (
+    DECODE_HEADROOM_TOKENS,
+    DECODE_STEP_SECONDS,
+    PREFILL_QUEUE_TOKENS,
+    PREFILL_RATE,
+)
 
 log = logging.getLogger(__name__)
 _RECENT_KEYS = 2048  # chunk keys a replica advertises for prefix affinity
@@ -182,28 +187,34 @@ class EngineHost:
 
     def _export_placement_load(self, stats: dict[str, Any]) -> None:
         """The prefill placement's inputs as this replica reports them (the ingress reads
-        the same through `placement_load`): a prefill replica's queued prompt tokens, a
-        decode (or colocated) replica's KV headroom."""
+        the same through `placement_load`): its measured prefill rate, a prefill replica's
+        queued prompt tokens, a decode (or colocated) replica's KV headroom and decode step
+        time."""
         load = self.placement_load(stats)
+        self.metrics.set(PREFILL_RATE, load["prefill_rate"] or 0.0)  # 0: not measured yet
         if self.role == "prefill":
             self.metrics.set(PREFILL_QUEUE_TOKENS, load["queued_prefill_tokens"])
         else:
             headroom = load["free_kv_tokens"] - load["queued_prefill_tokens"]
             self.metrics.set(DECODE_HEADROOM_TOKENS, headroom)
+            self.metrics.set(DECODE_STEP_SECONDS, load["decode_step_s"] or 0.0)
 
     def placement_load(self, stats: dict[str, Any] | None = None) -> dict[str, Any]:
         """What the ingress's prefill placement policy reads (app/serve/routing/load_view.py): the
         prompt tokens still to prefill here (a prefill replica: every prompt in flight; a
         decode replica: the prompts it was given to prefill, until their first token), its
-        free KV tokens, its running batch and where it computes. ``stats``:
-        `Engine.stats()` if already read."""
+        free KV tokens, its running batch, where it computes, and its measured prefill rate
+        and decode step time. ``stats``: `Engine.stats()` if already read."""
         s = stats if stats is not None else self.engine.stats()
         queued = self.inflight_tokens if self.role == "prefill" else self.local_prefill_tokens
+        rates = self.engine.step_rates  # measured from its own steps (None: not yet)
         return {
             "queued_prefill_tokens": queued,
             "free_kv_tokens": int(s["kv_blocks_free"]) * self.block_size,
             "num_running": int(s["num_running"]),
             "compute": self.compute.report() if self.compute else None,
+            "prefill_rate": rates.prefill_tokens_per_s,
+            "decode_step_s": rates.decode_step_s,
         }
 
     def autoscaling_stats(self) -> dict[str, float]:

@@ -6,7 +6,9 @@ does not all land on one side.
 
 The prefill side is its least-loaded replica (where the token-aware router sends a prompt);
 the decode side is the decode replica with the most KV headroom (where the router sends
-the choice); whether the two share compute comes from where each reports it runs. Until
+the choice). Each side's prefill rate and the decode side's step time are what those
+replicas measured of their own steps (app/engine/step_rates.py); whether the two share
+compute comes from where each reports it runs. Until
 the first report, the view says nothing is known and the policy falls back to the
 prompt-length rule.
 """
@@ -34,6 +36,8 @@ class ReplicaLoad:
     free_kv_tokens: int
     num_running: int
     compute: Compute | None = None  # where it runs (None: not reported)
+    prefill_rate: float | None = None  # its measured prefill tokens/s (None: not yet)
+    decode_step_s: float | None = None  # its measured decode step time (None: not yet)
 
     @classmethod
     def from_report(cls, report: dict) -> ReplicaLoad:
@@ -42,7 +46,15 @@ class ReplicaLoad:
             int(report["free_kv_tokens"]),
             int(report["num_running"]),
             Compute.from_report(report.get("compute")),
+            _seconds_or_rate(report.get("prefill_rate")),
+            _seconds_or_rate(report.get("decode_step_s")),
         )
+
+
+def _seconds_or_rate(value) -> float | None:
+    """A reported measurement: a positive number, or None (not measured, or not reported
+    by an older replica)."""
+    return float(value) if isinstance(value, (int, float)) and value > 0 else None
 
 
 class LoadView:
@@ -74,12 +86,14 @@ class LoadView:
         least = min(self.prefill_replicas, key=lambda r: r.queued_prefill_tokens)
         queued = least.queued_prefill_tokens + self._placed["remote"]
         shared = shares_compute(least.compute, self._decode_replica().compute)
-        return PrefillLoad(queued, len(self.prefill_replicas), shares_compute=shared)
+        return PrefillLoad(queued, len(self.prefill_replicas), least.prefill_rate, shared)
 
     def decode_load(self) -> DecodeLoad:
         best = self._decode_replica()
         queued = best.queued_prefill_tokens + self._placed["local"]
-        return DecodeLoad(best.free_kv_tokens, best.num_running, queued)
+        return DecodeLoad(
+            best.free_kv_tokens, best.num_running, queued, best.decode_step_s, best.prefill_rate
+        )
 
     def _decode_replica(self) -> ReplicaLoad:
         """The one with the most KV headroom (where the router sends the choice)."""

@@ -9,7 +9,10 @@ request compares two estimates of its time to first token (TTFT), from measured 
     local  = (decode.queued_prefill_tokens + work_local) / decode.prefill_rate
 
 ``work_*`` is the prompt's tokens not cached on that side (>= 1: the engine computes at
-least the last one); an unmeasured rate (None or 0) is ``fallback_prefill_rate``. The
+least the last one). The rates are the replicas' own measured prefill rates
+(app/engine/step_rates.py); an unmeasured one (None or 0) is the other side's (the same
+model: a decode replica that never prefilled is as fast as its prefill replica), and with
+neither measured ``fallback_prefill_rate``. The
 decode replica may prefill only what it can hold now, ``decode.headroom_tokens >=
 num_tokens + kv_headroom_tokens`` (the rest stays free for its running sequences' growth),
 and only while its running batch is below ``max_decode_running`` and its next steps slow
@@ -36,15 +39,18 @@ or a burst decided on one stale report would all go to one side.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from app.serve.config import ServeArgs
 
 # Metric names for app/serve/metrics.py: gauges hold the last decision's inputs.
 PLACEMENTS = "slimserve:prefill_placements"  # counter, tags where, reason
 PREFILL_QUEUE_TOKENS = "slimserve:prefill_queue_tokens"  # least-loaded prefill replica
-PREFILL_RATE = "slimserve:prefill_rate_tokens_per_second"  # tag side: remote | local
+PREFILL_RATE = "slimserve:prefill_rate_tokens_per_second"  # each replica's, measured
 DECODE_HEADROOM_TOKENS = "slimserve:decode_headroom_tokens"  # free KV minus queued prefill
-DECODE_STEP_SECONDS = "slimserve:decode_step_seconds"  # recent decode step time
+DECODE_STEP_SECONDS = "slimserve:decode_step_seconds"  # each replica's, measured
 SHARES_COMPUTE = "slimserve:prefill_shares_compute"  # 1: on the decode replica's compute
 TTFT_ESTIMATE = "slimserve:prefill_placement_ttft_estimate_seconds"  # histogram, tag where
 
@@ -119,8 +125,19 @@ class PlacementConfig:
         assert min(self.handoff_s, self.handoff_s_per_token, self.local_margin) >= 0, self
         assert self.local_min_gain_s >= 0, self
 
+    @classmethod
+    def from_args(cls, args: ServeArgs) -> PlacementConfig:
+        """The disaggregated Ingress's policy, from its settings (app/serve/config.py)."""
+        return cls(
+            short_prompt_tokens=args.local_prefill_tokens,
+            step_prefill_tokens=args.engine.max_num_batched_tokens,
+            max_decode_running=args.max_ongoing_requests,
+            local_on_shared_compute=args.prefill_on_shared_compute == "local",
+            max_itl_slowdown=args.prefill_max_itl_slowdown,
+        )
+
     def rate(self, measured: float | None) -> float:
-        return measured if measured is not None and measured > 0 else self.fallback_prefill_rate
+        return _measured(measured) or self.fallback_prefill_rate
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +146,11 @@ class Placement:
     ttft_local_s: float
     ttft_remote_s: float  # inf when no prefill replica runs
     reason: str  # one of the reasons above
+
+    @property
+    def ttft_s(self) -> float:
+        """The estimate for where it goes (TTFT_ESTIMATE records it)."""
+        return self.ttft_local_s if self.where == "local" else self.ttft_remote_s
 
     @property
     def labels(self) -> dict[str, str]:
@@ -163,6 +185,7 @@ def place_prefill(
 ) -> Placement:
     """Where ``prompt`` prefills, given the least-loaded prefill replica and its decode
     replica (the rules and formulas are in the module's docstring)."""
+    prefill, decode = with_rates(prefill, decode)
     local = ttft_local_s(prompt, decode, config)
     remote = ttft_remote_s(prompt, prefill, config)
 
@@ -191,6 +214,20 @@ def place_prefill(
     if local * (1 + config.local_margin) + config.local_min_gain_s < remote:
         return placed("local", LOCAL_FASTER)
     return placed("remote", REMOTE_DEFAULT)
+
+
+def with_rates(prefill: PrefillLoad, decode: DecodeLoad) -> tuple[PrefillLoad, DecodeLoad]:
+    """An unmeasured prefill rate on one side taken from the other side's measurement."""
+    remote, local = _measured(prefill.rate), _measured(decode.prefill_rate)
+    if remote is None and local is not None:
+        prefill = replace(prefill, rate=local)
+    elif local is None and remote is not None:
+        decode = replace(decode, prefill_rate=remote)
+    return prefill, decode
+
+
+def _measured(rate: float | None) -> float | None:
+    return rate if rate is not None and rate > 0 else None
 
 
 def _work(num_tokens: int, cached_tokens: int) -> int:

@@ -59,3 +59,13 @@ def test_long_prompts_prefill_on_the_decode_replica_and_match_offline(url, offli
         got = complete(url, prompt)
         assert got["slimserve"]["choices"][0]["prefill_via"] == "local"
         assert got["choices"][0]["text"] == want_text(offline, prompt)
+
+
+def test_replicas_report_the_rates_measured_of_their_steps(url):
+    """After long prompts prefilled on it, the decode replica reports its measured prefill
+    rate and decode step time (the placement's measured inputs: app/engine/step_rates.py).
+    Seen failing with `placement_load` leaving them out (None)."""
+    complete(url, prompt_ids(7))  # a long prompt's prefill, and its decode steps
+    handle = serve.get_deployment_handle("DecodeServer", "slimserve")
+    load = handle.placement_load.remote().result()
+    assert load["prefill_rate"] > 0 and 0 < load["decode_step_s"] < 10

@@ -1,0 +1,59 @@
+"""What an engine's own steps measure: its decode step time and its prefill rate.
+
+The serving layer places each long prompt on a prefill replica or on its decode replica
+from these (app/serve/routing/prefill_placement.py): a queue of prompt tokens becomes a
+time to first token at the replica's prefill rate, and the decode replica's step time says
+how much a prefill chunk would slow its running sequences' tokens.
+
+Each step's wall time (forward and sampling: what a token waits for) is split by what the
+step computed:
+
+- a step of decode rows only: a sample of the decode step time (an exponentially weighted
+  moving average, ``alpha`` per step);
+- a step with prompt tokens: its time less one decode step when it also carried decode rows
+  (at least ``MIN_PREFILL_SHARE`` of the step stays prefill time, so one noisy step cannot
+  make the rate unbounded), and the rate is the moving sum of prefill tokens over the moving
+  sum of those seconds: a tail of a few tokens counts for its few tokens, not as one sample
+  of tokens per second.
+
+Until a kind of step has run, its value is None (not measured).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MIN_PREFILL_SHARE = 0.25  # of a mixed step's time, counted as prefill whatever decode costs
+
+
+@dataclass(slots=True)
+class StepRates:
+    alpha: float = 0.2  # weight of a new step in the moving averages
+    decode_step_s: float | None = None
+    _prefill_tokens: float | None = None  # moving sums: rate = tokens / seconds
+    _prefill_s: float | None = None
+
+    def __post_init__(self):
+        assert 0 < self.alpha <= 1, self
+
+    def record(self, prefill_tokens: int, decode_rows: int, seconds: float) -> None:
+        """One step: ``prefill_tokens`` prompt tokens computed beside ``decode_rows``
+        sequences past their prompt, in ``seconds`` of wall time."""
+        if seconds <= 0 or (prefill_tokens == 0 and decode_rows == 0):
+            return
+        if prefill_tokens == 0:
+            self.decode_step_s = self._mean(self.decode_step_s, seconds)
+            return
+        decode_s = (self.decode_step_s or 0.0) if decode_rows else 0.0
+        prefill_s = max(seconds - decode_s, seconds * MIN_PREFILL_SHARE)
+        self._prefill_tokens = self._mean(self._prefill_tokens, prefill_tokens)
+        self._prefill_s = self._mean(self._prefill_s, prefill_s)
+
+    @property
+    def prefill_tokens_per_s(self) -> float | None:
+        if self._prefill_tokens is None or not self._prefill_s:
+            return None
+        return self._prefill_tokens / self._prefill_s
+
+    def _mean(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self.alpha * (new - old)
