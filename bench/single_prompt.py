@@ -8,7 +8,8 @@ Per round, alternated so both see the same box:
 - offline, alone: `LLM` with the served engine options and the replica's threads, one
   prompt at a time (`max_tokens=1`), nothing else running;
 - offline beside an idle `slimserve serve` (the Ray cluster, Serve's controller and proxy,
-  the replicas' polling loops: what a served step shares the cores with);
+  the replicas' polling loops: what a served step shares the cores with), and the CPU that
+  idle app's processes use (`idle_app`: cores over 10 s, in all and its busiest processes);
 - served: the same prompts one at a time through the OpenAI API (stream, `max_tokens=1`),
   client TTFT; and the engine replica's own prefill step time, from the prefill rate it
   measured of its steps (`placement_load()`, app/engine/step_rates.py).
@@ -65,6 +66,32 @@ def _offline(prompt_len: int, n: int) -> None:
     print(json.dumps({"ttft_p50_ms": 1e3 * median(ttft[WARM:])}))
 
 
+def idle_app(root_pid: int, seconds: float = 10.0) -> dict:
+    """Cores the app's process tree (Ray's own processes and the replicas) uses at rest."""
+    import psutil
+
+    procs = psutil.Process(root_pid).children(recursive=True) + [psutil.Process(root_pid)]
+    before = {p.pid: _cpu(p) for p in procs}
+    time.sleep(seconds)
+    used = {p: (_cpu(p) - before[p.pid]) / seconds for p in procs}
+    busiest = sorted(used.items(), key=lambda kv: -kv[1])[:6]
+    names = {p: " ".join(p.cmdline())[:60] for p, _ in busiest if p.is_running()}
+    return {
+        "cores": round(sum(used.values()), 3),
+        "busiest": {names.get(p, str(p.pid)): round(c, 3) for p, c in busiest},
+    }
+
+
+def _cpu(proc) -> float:
+    import psutil
+
+    try:
+        t = proc.cpu_times()
+    except psutil.Error:  # gone: counts nothing
+        return 0.0
+    return t.user + t.system
+
+
 def served(server: Server, mode: str, prompt_len: int, n: int) -> dict:
     import httpx
 
@@ -77,13 +104,18 @@ def served(server: Server, mode: str, prompt_len: int, n: int) -> dict:
                 for line in r.iter_lines():
                     if first is None and line.startswith("data:") and '"text"' in line:
                         first = time.perf_counter() - t0
+            if first is None:
+                raise RuntimeError(f"no token streamed for a {prompt_len}-token prompt")
             ttft.append(first)
             time.sleep(0.2)  # one prompt at a time, as offline
     # in a process of its own: a driver's Serve handles outlive a cluster it reconnects to
     code = f"import sys; sys.path.insert(0, {ROOT!r}); from bench.single_prompt import _rate; "
     out = subprocess.run([sys.executable, "-c", code + f"_rate({REPLICA[mode]!r})"],
                          capture_output=True, text=True, check=True)  # fmt: skip
-    rate = float(out.stdout.strip().splitlines()[-1])
+    reported = out.stdout.strip().splitlines()[-1]
+    if reported == "None":
+        raise RuntimeError(f"{REPLICA[mode]} measured no prefill step of >= 64 tokens")
+    rate = float(reported)
     return {"ttft_p50_ms": 1e3 * median(ttft[WARM:]), "replica_step_ms": 1e3 * prompt_len / rate}
 
 
@@ -103,6 +135,7 @@ def one_round(args) -> dict:
     server = Server(f"single-{args.mode}", cmd + ["--mode", args.mode], PORT, {"PYTHONPATH": ROOT})
     try:
         time.sleep(5)  # past the replicas' start-up work
+        row["idle_app"] = idle_app(server.pid)
         row["offline_beside_idle_serve"] = offline(args.prompt_len, args.prompts)
         row["served"] = served(server, args.mode, args.prompt_len, args.prompts)
     finally:

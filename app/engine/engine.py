@@ -251,6 +251,7 @@ class Engine:
         deltas = self._apply_transfers()
         self._end_imports()
         deltas, self._pending = self._pending + deltas, []
+        started = time.perf_counter()  # a step's time: proposals to the verified tokens
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
         out = self.scheduler.schedule()
@@ -264,24 +265,17 @@ class Engine:
         plan = plan_step(out.scheduled, self.kv_spec.block_size)
         if self.step_threads is not None:  # set on the stepping thread (step_threads.py)
             self.step_threads.apply(max(n for _, n in out.scheduled))  # longest chunk
-        started = time.perf_counter()
         result = self.runner.run(plan)
         sampled = [out.scheduled[i][0] for i in result.sampled]
         if sampled:  # [rows, V]: grammar rows (speculated ones too) get -inf outside
             self.structured.mask(result.logits, sampled)
         emitted = self._sample(result.logits, sampled)
-        self._time_step(out, time.perf_counter() - started)
+        prefill, decode_rows = _step_work(out)  # before `_apply` moves the sequences on
         deltas += self._apply(out, sampled, emitted)
         if self.speculator is not None:
             self.speculator.after_step(out.scheduled, starts, self.runner.last_hidden)
+        self.step_rates.record(prefill, decode_rows, time.perf_counter() - started)
         return deltas
-
-    def _time_step(self, out: SchedulerOutput, seconds: float) -> None:
-        """The step's wall time into the measured rates (before `_apply` moves the
-        sequences on: a sequence still in its prompt computed prompt tokens)."""
-        prefill = sum(n for seq, n in out.scheduled if not seq.prompt_done)
-        decode_rows = sum(1 for seq, _ in out.scheduled if seq.prompt_done)
-        self.step_rates.record(prefill, decode_rows, seconds)
 
     def _apply_transfers(self) -> list[RequestDelta]:
         """KV transfers the side thread finished: export deltas, failed requests, and
@@ -396,3 +390,18 @@ class Engine:
             "prefill_tokens_per_second": self.step_rates.prefill_tokens_per_s or 0.0,
             **(self.speculator.stats.as_dict() if self.speculator is not None else {}),
         }
+
+
+def _step_work(out: SchedulerOutput) -> tuple[int, int]:
+    """(prefill tokens, decode rows) of a scheduled step (app/engine/step_rates.py): a
+    sequence computing more than one token of its own (a prompt chunk, or a preempted
+    sequence recomputing its outputs) prefills; one token, plus any proposed tokens it
+    verifies, is a decode row."""
+    prefill = decode_rows = 0
+    for seq, n in out.scheduled:
+        own = n - len(seq.spec_tokens)
+        if seq.prompt_done and own == 1:
+            decode_rows += 1
+        else:
+            prefill += own
+    return prefill, decode_rows

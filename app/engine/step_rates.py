@@ -10,13 +10,19 @@ step computed:
 
 - a step of decode rows only: a sample of the decode step time (an exponentially weighted
   moving average, ``alpha`` per step);
-- a step with prompt tokens: its time less one decode step when it also carried decode rows
-  (at least ``MIN_PREFILL_SHARE`` of the step stays prefill time, so one noisy step cannot
-  make the rate unbounded), and the rate is the moving sum of prefill tokens over the moving
-  sum of those seconds: a tail of a few tokens counts for its few tokens, not as one sample
-  of tokens per second.
+- a step with at least ``min_prefill_tokens`` prompt tokens: its time less one decode step
+  when it also carried decode rows (at least ``MIN_PREFILL_SHARE`` of the step stays prefill
+  time, so one noisy step cannot make the rate unbounded), and the rate is the moving sum of
+  prefill tokens over the moving sum of those seconds: a chunk of a few hundred tokens
+  counts for its tokens, not as one sample of tokens per second.
+- a step with fewer prompt tokens (a prompt's tail after a remote prefill or a prefix
+  cache hit: the engine computes at least its last token) says nothing: its time is the
+  decode rows' and the step's fixed cost, and counted as prefill it would read as a rate
+  far below the engine's, the more so the more prompts go elsewhere.
 
-Until a kind of step has run, its value is None (not measured).
+Until a kind of step has run, its value is None (not measured). The two moving sums are
+one tuple, replaced whole: the replica's event loop reads them while the step thread
+writes.
 """
 
 from __future__ import annotations
@@ -29,12 +35,12 @@ MIN_PREFILL_SHARE = 0.25  # of a mixed step's time, counted as prefill whatever 
 @dataclass(slots=True)
 class StepRates:
     alpha: float = 0.2  # weight of a new step in the moving averages
+    min_prefill_tokens: int = 64  # fewer prompt tokens in a step: no prefill sample
     decode_step_s: float | None = None
-    _prefill_tokens: float | None = None  # moving sums: rate = tokens / seconds
-    _prefill_s: float | None = None
+    _prefill: tuple[float, float] | None = None  # moving sums (tokens, seconds)
 
     def __post_init__(self):
-        assert 0 < self.alpha <= 1, self
+        assert 0 < self.alpha <= 1 and self.min_prefill_tokens >= 1, self
 
     def record(self, prefill_tokens: int, decode_rows: int, seconds: float) -> None:
         """One step: ``prefill_tokens`` prompt tokens computed beside ``decode_rows``
@@ -44,16 +50,20 @@ class StepRates:
         if prefill_tokens == 0:
             self.decode_step_s = self._mean(self.decode_step_s, seconds)
             return
+        if prefill_tokens < self.min_prefill_tokens:
+            return
         decode_s = (self.decode_step_s or 0.0) if decode_rows else 0.0
         prefill_s = max(seconds - decode_s, seconds * MIN_PREFILL_SHARE)
-        self._prefill_tokens = self._mean(self._prefill_tokens, prefill_tokens)
-        self._prefill_s = self._mean(self._prefill_s, prefill_s)
+        if self._prefill is None:
+            self._prefill = (float(prefill_tokens), prefill_s)
+            return
+        tokens, spent = self._prefill
+        self._prefill = (self._mean(tokens, prefill_tokens), self._mean(spent, prefill_s))
 
     @property
     def prefill_tokens_per_s(self) -> float | None:
-        if self._prefill_tokens is None or not self._prefill_s:
-            return None
-        return self._prefill_tokens / self._prefill_s
+        sums = self._prefill  # one read: a consistent pair
+        return sums[0] / sums[1] if sums is not None and sums[1] > 0 else None
 
     def _mean(self, old: float | None, new: float) -> float:
         return new if old is None else old + self.alpha * (new - old)

@@ -1,9 +1,12 @@
 """An engine's measured step rates (app/engine/step_rates.py): its decode step time and
 prefill rate, the placement policy's measured inputs."""
 
+from types import SimpleNamespace
+
 import pytest
 
 from app import LLM, SamplingParams
+from app.engine.engine import _step_work
 from app.engine.step_rates import MIN_PREFILL_SHARE, StepRates
 
 
@@ -26,13 +29,27 @@ def test_decode_step_time_is_a_moving_average():
 
 
 def test_prefill_rate_weighs_steps_by_their_tokens():
-    """A tail of 8 tokens in 10 ms (800 tokens/s) beside 2,048 in 1 s: a mean of per-step
-    rates would read 1,424 tokens/s; the moving sums read about 1,036. Seen failing with
-    the per-step rates averaged."""
+    """A chunk of 128 tokens in 0.1 s (1,280 tokens/s) after 2,048 in 1 s: a mean of
+    per-step rates would read 1,664 tokens/s; the moving sums read about 1,978. Seen failing
+    with the per-step rates averaged."""
     rates = StepRates(alpha=0.5)
     rates.record(2048, 0, 1.0)
-    rates.record(8, 0, 0.01)
-    assert rates.prefill_tokens_per_s == pytest.approx(1028 / 0.505)
+    rates.record(128, 0, 0.1)
+    assert rates.prefill_tokens_per_s == pytest.approx(1088 / 0.55)
+
+
+def test_a_prompts_tail_is_no_prefill_sample():
+    """A prompt prefilled elsewhere (or mostly cached) leaves its last tokens to compute
+    beside the decode rows: those steps must not drag the rate down. Seen failing with
+    `min_prefill_tokens` ignored (the rate fell from 10,000 to ~1,760 tokens/s: a 9-token
+    tail is charged MIN_PREFILL_SHARE of its step)."""
+    rates = StepRates()
+    rates.record(0, 16, 0.02)
+    rates.record(1000, 16, 0.12)
+    for _ in range(100):
+        rates.record(9, 16, 0.0205)
+    assert rates.prefill_tokens_per_s == pytest.approx(10_000)
+    assert rates.decode_step_s == pytest.approx(0.02)
 
 
 def test_a_mixed_step_counts_one_decode_step_less_as_prefill_time():
@@ -50,6 +67,18 @@ def test_a_mixed_step_keeps_a_floor_of_prefill_time():
     rates.record(0, 16, 0.5)
     rates.record(100, 16, 0.4)
     assert rates.prefill_tokens_per_s == pytest.approx(100 / (0.4 * MIN_PREFILL_SHARE))
+
+
+def test_a_step_is_split_into_prefill_tokens_and_decode_rows():
+    """A preempted sequence recomputing its outputs prefills (it computes many tokens), a
+    verify row is one decode row whatever it proposed. Seen failing with `prompt_done`
+    alone deciding (the recompute counted as one decode row)."""
+    prompt = SimpleNamespace(prompt_done=False, spec_tokens=[])
+    recompute = SimpleNamespace(prompt_done=True, spec_tokens=[])
+    verify = SimpleNamespace(prompt_done=True, spec_tokens=[5, 6, 7])
+    decode = SimpleNamespace(prompt_done=True, spec_tokens=[])
+    out = SimpleNamespace(scheduled=[(prompt, 300), (recompute, 40), (verify, 4), (decode, 1)])
+    assert _step_work(out) == (340, 2)
 
 
 def test_bad_alpha_is_refused():
