@@ -75,7 +75,7 @@ def idle_app(root_pid: int, seconds: float = 10.0) -> dict:
     time.sleep(seconds)
     used = {p: (_cpu(p) - before[p.pid]) / seconds for p in procs}
     busiest = sorted(used.items(), key=lambda kv: -kv[1])[:6]
-    names = {p: " ".join(p.cmdline())[:60] for p, _ in busiest if p.is_running()}
+    names = {p: " ".join(p.cmdline())[:60].strip() for p, _ in busiest if p.is_running()}
     return {
         "cores": round(sum(used.values()), 3),
         "busiest": {names.get(p, str(p.pid)): round(c, 3) for p, c in busiest},
