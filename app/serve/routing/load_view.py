@@ -30,7 +30,9 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class ReplicaLoad:
-    """What one engine replica reports (`EngineHost.placement_load`)."""
+    """What one engine replica reports (`EngineHost.placement_load`), typed. Replicas send
+    a plain dict: during a rolling update a replica of another version may lack a key or
+    add one, which a dict survives and a pickled dataclass of another shape does not."""
 
     queued_prefill_tokens: int  # prompt tokens admitted and not yet computed there
     free_kv_tokens: int
