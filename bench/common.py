@@ -5,11 +5,16 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import sys
 import tempfile
 import time
+import urllib.request
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+# One sample of Prometheus' text format: name{labels} value
+_SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][\w:]*)(?:\{(?P<labels>.*)\})? (?P<value>\S+)$")
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
 def default_model() -> str:
@@ -83,3 +88,15 @@ def kernel_timer(device: str, warmup: int, rep: int, scale: float = 1e3):
         return (time.perf_counter() - t0) * 1e3 * scale
 
     return once
+
+
+def scrape_slimserve(port: int) -> list[tuple[str, dict, float]]:
+    """(name, labels, value) of every ``ray_slimserve_*`` sample on Ray's metrics endpoint."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out = []
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if m and m["name"].startswith("ray_slimserve_"):
+            out.append((m["name"], dict(_LABEL.findall(m["labels"] or "")), float(m["value"])))
+    return out

@@ -18,15 +18,13 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import subprocess
 import sys
 import time
-import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import write_json  # noqa: E402
+from bench.common import scrape_slimserve, write_json  # noqa: E402
 from bench.peer import machine_conditions, random_prompts  # noqa: E402
 from bench.serve_vs_vllm import Server, cold_and_warm  # noqa: E402
 from bench.sse_client import closed_loop  # noqa: E402
@@ -36,8 +34,6 @@ PORT, GEN = 8819, 64
 ESTIMATE = "ray_slimserve_prefill_placement_ttft_estimate_seconds_bucket"
 TTFT = "ray_slimserve_time_to_first_token_seconds_bucket"
 PLACEMENTS = "ray_slimserve_prefill_placements_total"
-_SAMPLE = re.compile(r"^(?P<name>\w+)(?:\{(?P<labels>.*)\})? (?P<value>\S+)$")
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
 def metrics_port() -> int:
@@ -47,17 +43,6 @@ def metrics_port() -> int:
     code += "print(ray.nodes()[0]['MetricsExportPort'])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return int(out.stdout.strip().splitlines()[-1])
-
-
-def scrape(port: int) -> list[tuple[str, dict, float]]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    samples = []
-    for line in text.splitlines():
-        m = _SAMPLE.match(line)
-        if m and m["name"].startswith("ray_slimserve_"):
-            samples.append((m["name"], dict(_LABEL.findall(m["labels"] or "")), float(m["value"])))
-    return samples
 
 
 def totals(samples, name: str, key: str, **match) -> dict[str, float]:
@@ -91,10 +76,10 @@ def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]
 def level_row(server: Server, port: int, args, level: int) -> dict:
     n = max(16, 4 * level)
     prompts = random_prompts(300 + level, n, 1000, args.prompt_len, args.prompt_len)
-    before = scrape(port)
+    before = scrape_slimserve(port)
     out = asyncio.run(closed_loop(server.url, server.model, prompts, level, GEN, 300.0))
     time.sleep(12)  # Ray exports every few seconds
-    after = scrape(port)
+    after = scrape_slimserve(port)
     row = {"client_ttft_p50_s": out["ttft_p50_s"], "output_tok_s": out["output_tok_s"]}
     placed = delta(totals(after, PLACEMENTS, "reason"), totals(before, PLACEMENTS, "reason"))
     row["placements_by_reason"] = {k: v for k, v in placed.items() if v}

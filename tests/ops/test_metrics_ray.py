@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import re
 import time
-import urllib.request
 
 import httpx
 import numpy as np
@@ -15,14 +13,13 @@ import pytest
 from serve.apps import running_app, tiny_serve_args
 
 from app.serve.metrics import COST_POLICY_METRICS, SPECS, prometheus_name
+from bench.common import scrape_slimserve as scrape
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 # Its own store: a shard of the shared name that an earlier test just killed can still be
 # found by name for a moment (create_store reuses shards by name).
 STORE = "slimserve-kvstore-metrics-test"
 UNTESTED_HERE = (*COST_POLICY_METRICS, "slimserve:kv_export_failures")
-_SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][\w:]*)(?:\{(?P<labels>.*)\})? (?P<value>\S+)$")
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 # cost_aware off: the cost policy could pause speculation on a slow machine
 NGRAM = {
     "method": "ngram",
@@ -30,17 +27,6 @@ NGRAM = {
     "prompt_lookup_min": 1,
     "cost_aware": False,
 }
-
-
-def scrape(port: int) -> list[tuple[str, dict, float]]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    out = []
-    for line in text.splitlines():
-        m = _SAMPLE.match(line)
-        if m and m["name"].startswith("ray_slimserve_"):
-            out.append((m["name"], dict(_LABEL.findall(m["labels"] or "")), float(m["value"])))
-    return out
 
 
 def live_replicas(app: str = "slimserve") -> set[str]:
