@@ -83,6 +83,7 @@ def level_row(server: Server, port: int, args, level: int) -> dict:
     row = {"client_ttft_p50_s": out["ttft_p50_s"], "output_tok_s": out["output_tok_s"]}
     placed = delta(totals(after, PLACEMENTS, "reason"), totals(before, PLACEMENTS, "reason"))
     row["placements_by_reason"] = {k: v for k, v in placed.items() if v}
+    row["placements_counted"] = sum(placed.values()) == n  # this level's requests alone
     for where in ("local", "remote"):
         buckets = delta(
             totals(after, ESTIMATE, "le", where=where), totals(before, ESTIMATE, "le", where=where)
@@ -112,6 +113,7 @@ def main(argv=None) -> dict:
     try:
         cold_and_warm(server, 1000, seed=1)
         port = metrics_port()
+        time.sleep(12)  # the warm-up requests' metrics exported before the first baseline
         levels = [int(x) for x in args.levels.split(",")]
         result["levels"] = {str(c): level_row(server, port, args, c) for c in levels}
     finally:

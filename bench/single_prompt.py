@@ -67,29 +67,39 @@ def _offline(prompt_len: int, n: int) -> None:
 
 
 def idle_app(root_pid: int, seconds: float = 10.0) -> dict:
-    """Cores the app's process tree (Ray's own processes and the replicas) uses at rest."""
+    """Cores the app's process tree (Ray's own processes and the replicas) uses at rest;
+    a process that ends within the window is left out."""
     import psutil
 
     procs = psutil.Process(root_pid).children(recursive=True) + [psutil.Process(root_pid)]
     before = {p.pid: _cpu(p) for p in procs}
     time.sleep(seconds)
-    used = {p: (_cpu(p) - before[p.pid]) / seconds for p in procs}
+    used = {}
+    for p in procs:
+        after = _cpu(p)
+        if after is not None and before[p.pid] is not None:
+            used[f"{p.pid} {_name(p)}"] = (after - before[p.pid]) / seconds
     busiest = sorted(used.items(), key=lambda kv: -kv[1])[:6]
-    names = {p: " ".join(p.cmdline())[:60].strip() for p, _ in busiest if p.is_running()}
-    return {
-        "cores": round(sum(used.values()), 3),
-        "busiest": {names.get(p, str(p.pid)): round(c, 3) for p, c in busiest},
-    }
+    return {"cores": round(sum(used.values()), 3), "busiest": {k: round(c, 3) for k, c in busiest}}
 
 
-def _cpu(proc) -> float:
+def _cpu(proc) -> float | None:
     import psutil
 
     try:
         t = proc.cpu_times()
-    except psutil.Error:  # gone: counts nothing
-        return 0.0
+    except psutil.Error:  # gone
+        return None
     return t.user + t.system
+
+
+def _name(proc) -> str:
+    import psutil
+
+    try:
+        return " ".join(proc.cmdline())[:80].strip()
+    except psutil.Error:
+        return "?"
 
 
 def served(server: Server, mode: str, prompt_len: int, n: int) -> dict:
