@@ -32,7 +32,7 @@ from app.engine.spec.deltas import merge_deltas
 from app.engine.spec.factory import extra_block_bytes, make_speculator, uses_mtp
 from app.engine.spec.sampling import plain_greedy
 from app.engine.step import execute, plan_step
-from app.engine.step_rates import StepRates
+from app.engine.step_rates import StepRates, step_work
 from app.engine.step_threads import StepThreads
 from app.engine.structured.manager import StructuredOutputs
 from app.engine.tp_driver import DriverRunner, ShardedKVCache, min_over_ranks
@@ -270,7 +270,7 @@ class Engine:
         if sampled:  # [rows, V]: grammar rows (speculated ones too) get -inf outside
             self.structured.mask(result.logits, sampled)
         emitted = self._sample(result.logits, sampled)
-        prefill, decode_rows = _step_work(out)  # before `_apply` moves the sequences on
+        prefill, decode_rows = step_work(out.scheduled)  # before `_apply` moves them on
         deltas += self._apply(out, sampled, emitted)
         if self.speculator is not None:
             self.speculator.after_step(out.scheduled, starts, self.runner.last_hidden)
@@ -390,18 +390,3 @@ class Engine:
             "prefill_tokens_per_second": self.step_rates.prefill_tokens_per_s or 0.0,
             **(self.speculator.stats.as_dict() if self.speculator is not None else {}),
         }
-
-
-def _step_work(out: SchedulerOutput) -> tuple[int, int]:
-    """(prefill tokens, decode rows) of a scheduled step (app/engine/step_rates.py): a
-    sequence computing more than one token of its own (a prompt chunk, or a preempted
-    sequence recomputing its outputs) prefills; one token, plus any proposed tokens it
-    verifies, is a decode row."""
-    prefill = decode_rows = 0
-    for seq, n in out.scheduled:
-        own = n - len(seq.spec_tokens)
-        if seq.prompt_done and own == 1:
-            decode_rows += 1
-        else:
-            prefill += own
-    return prefill, decode_rows

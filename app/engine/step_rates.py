@@ -28,6 +28,7 @@ writes.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 MIN_PREFILL_SHARE = 0.25  # of a mixed step's time, counted as prefill whatever decode costs
 
@@ -67,3 +68,18 @@ class StepRates:
 
     def _mean(self, old: float | None, new: float) -> float:
         return new if old is None else old + self.alpha * (new - old)
+
+
+def step_work(scheduled: list[tuple[Any, int]]) -> tuple[int, int]:
+    """(prefill tokens, decode rows) of a scheduled step's (sequence, new tokens) pairs: a
+    sequence computing more than one token of its own (a prompt chunk, or a preempted
+    sequence recomputing its outputs) prefills; one token, plus any proposed tokens it
+    verifies, is a decode row."""
+    prefill = decode_rows = 0
+    for seq, n in scheduled:
+        own = n - len(seq.spec_tokens)
+        if seq.prompt_done and own == 1:
+            decode_rows += 1
+        else:
+            prefill += own
+    return prefill, decode_rows

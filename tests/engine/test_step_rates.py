@@ -6,8 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from app import LLM, SamplingParams
-from app.engine.engine import _step_work
-from app.engine.step_rates import MIN_PREFILL_SHARE, StepRates
+from app.engine.step_rates import MIN_PREFILL_SHARE, StepRates, step_work
 
 
 def test_nothing_is_measured_before_its_kind_of_step():
@@ -77,8 +76,8 @@ def test_a_step_is_split_into_prefill_tokens_and_decode_rows():
     recompute = SimpleNamespace(prompt_done=True, spec_tokens=[])
     verify = SimpleNamespace(prompt_done=True, spec_tokens=[5, 6, 7])
     decode = SimpleNamespace(prompt_done=True, spec_tokens=[])
-    out = SimpleNamespace(scheduled=[(prompt, 300), (recompute, 40), (verify, 4), (decode, 1)])
-    assert _step_work(out) == (340, 2)
+    scheduled = [(prompt, 300), (recompute, 40), (verify, 4), (decode, 1)]
+    assert step_work(scheduled) == (340, 2)
 
 
 def test_bad_alpha_is_refused():

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from ray.serve.handle import DeploymentHandle
 
 from app.serve.routing.compute import Compute, shares_compute
-from app.serve.routing.prefill_placement import DecodeLoad, PrefillLoad
+from app.serve.routing.prefill_placement import DecodeLoad, PrefillLoad, measured
 
 log = logging.getLogger(__name__)
 
@@ -48,15 +48,9 @@ class ReplicaLoad:
             int(report["free_kv_tokens"]),
             int(report["num_running"]),
             Compute.from_report(report.get("compute")),
-            _seconds_or_rate(report.get("prefill_rate")),
-            _seconds_or_rate(report.get("decode_step_s")),
+            measured(report.get("prefill_rate")),
+            measured(report.get("decode_step_s")),
         )
-
-
-def _seconds_or_rate(value) -> float | None:
-    """A reported measurement: a positive number, or None (not measured, or not reported
-    by an older replica)."""
-    return float(value) if isinstance(value, (int, float)) and value > 0 else None
 
 
 class LoadView:

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     from app.serve.config import ServeArgs
@@ -136,8 +136,8 @@ class PlacementConfig:
             max_itl_slowdown=args.prefill_max_itl_slowdown,
         )
 
-    def rate(self, measured: float | None) -> float:
-        return _measured(measured) or self.fallback_prefill_rate
+    def rate(self, rate: float | None) -> float:
+        return measured(rate) or self.fallback_prefill_rate
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,7 +218,7 @@ def place_prefill(
 
 def with_rates(prefill: PrefillLoad, decode: DecodeLoad) -> tuple[PrefillLoad, DecodeLoad]:
     """An unmeasured prefill rate on one side taken from the other side's measurement."""
-    remote, local = _measured(prefill.rate), _measured(decode.prefill_rate)
+    remote, local = measured(prefill.rate), measured(decode.prefill_rate)
     if remote is None and local is not None:
         prefill = replace(prefill, rate=local)
     elif local is None and remote is not None:
@@ -226,8 +226,10 @@ def with_rates(prefill: PrefillLoad, decode: DecodeLoad) -> tuple[PrefillLoad, D
     return prefill, decode
 
 
-def _measured(rate: float | None) -> float | None:
-    return rate if rate is not None and rate > 0 else None
+def measured(value: Any) -> float | None:
+    """A measurement as reported: a positive number, else None (not measured yet, or absent
+    from an older replica's report)."""
+    return float(value) if isinstance(value, (int, float)) and value > 0 else None
 
 
 def _work(num_tokens: int, cached_tokens: int) -> int:
