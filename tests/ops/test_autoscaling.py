@@ -15,8 +15,10 @@ from app.serve.routing.autoscaling import (
     NUM_RUNNING,
     NUM_WAITING,
     PREFILL_TOKENS,
+    SPILLED_PREFILL_TOKENS,
     DecodeKVPolicy,
     PrefillTokenPolicy,
+    SpilledDemand,
     autoscaling_stats,
 )
 
@@ -86,6 +88,33 @@ def test_prefill_counts_handle_queue_at_mean_tokens_per_request():
     assert desired == pytest.approx(3.0)
 
 
+def test_prefill_counts_the_demand_spilled_to_decode_replicas():
+    """Long prompts placed on decode replicas because the prefill queue was slower are
+    demand for prefill replicas: the placement policy spilling them must not make the
+    prefill deployment look idle. Replicas of a version without the metric count 0. Seen
+    failing (2.0, not 5.0) with the spilled tokens left out of the demand."""
+    policy = PrefillTokenPolicy(target_tokens_per_replica=1000)
+    ctx = prefill_ctx([1000, 1000], [2, 2])
+    ctx.aggregated_metrics[SPILLED_PREFILL_TOKENS] = dict(zip(ctx.running_replicas, [1500, 1500]))
+    desired, state = policy(ctx)
+    assert desired == pytest.approx(5.0) and state["prefill_tokens_demand"] == 5000
+    assert policy(prefill_ctx([1000, 1000], [2, 2]))[0] == pytest.approx(2.0)  # none told
+
+
+def test_a_told_spilled_share_lasts_until_no_ingress_refreshes_it():
+    """The latest share told counts (ingresses all tell the same total: no sum), and an
+    old one counts 0. Seen failing (700 after the ttl) with the expiry removed."""
+    now = [0.0]
+    demand = SpilledDemand(ttl_s=2.0, clock=lambda: now[0])
+    assert demand.tokens == 0
+    demand.tell(500)
+    demand.tell(700)
+    now[0] = 2.0
+    assert demand.tokens == 700
+    now[0] = 2.1
+    assert demand.tokens == 0
+
+
 def test_decode_scales_on_kv_usage():
     policy = DecodeKVPolicy(target_kv_usage=0.5, target_running_per_replica=1000)
     desired, state = policy(decode_ctx([0.9, 0.7], [4, 4], [0, 0]))
@@ -126,9 +155,10 @@ def test_serve_wrapper_applies_delays_and_factors():
 
 def test_autoscaling_stats_from_engine_stats():
     stats = {"kv_cache_usage": 0.25, "num_running": 3, "num_waiting": 1}
-    out = autoscaling_stats(stats, inflight_tokens=700)
+    out = autoscaling_stats(stats, inflight_tokens=700, spilled_tokens=90)
     assert out == {
         PREFILL_TOKENS: 700.0,
+        SPILLED_PREFILL_TOKENS: 90.0,
         NUM_REQUESTS: 4.0,
         KV_CACHE_USAGE: 0.25,
         NUM_RUNNING: 3.0,

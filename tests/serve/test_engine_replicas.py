@@ -36,12 +36,13 @@ async def _passthrough(deltas, *args, **kw):
 
 def _server(cls, engine: EndlessEngine):
     server = object.__new__(cls.func_or_class)  # the deployment's class, not started
-    server.args = SimpleNamespace(stream_interval_s=0.0)
+    server.args = SimpleNamespace(stream_interval_s=0.0, local_prefill_tokens=255)
     server.host = SimpleNamespace(
         inflight_tokens=0,
         local_prefill_tokens=0,
+        local_prefill_demand_tokens=0,
         async_engine=engine,
-        metrics=SimpleNamespace(timed=_passthrough),
+        metrics=SimpleNamespace(timed=_passthrough, inc=lambda *a, **kw: None),
         fetch=lambda chunks, prompt, **kw: _fetched(),
     )
     return server
@@ -75,3 +76,42 @@ def test_closing_a_replica_stream_aborts_the_engine_request_at_once():
 
     for cls, call in calls:
         asyncio.run(main(cls, call))
+
+
+class GatedEngine(EndlessEngine):
+    """Its first delta (the first token) waits for ``gate``."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = asyncio.Event()
+
+    async def generate(self, request):
+        await self.gate.wait()
+        async for delta in super().generate(request):
+            yield delta
+
+
+def test_a_decode_replica_reports_the_prefill_demand_it_took_until_the_first_token():
+    """A choice the decode replica prefills counts in its queued prefill tokens, and when
+    its prompt is over the short-prompt limit in its prefill demand too (what the prefill
+    autoscaler must see: app/serve/routing/load_view.py), both until its first token.
+    Seen failing (-600 after the first token) with the demand not added in
+    `_local_prefill`."""
+
+    async def main(n: int) -> tuple[int, int]:
+        engine = GatedEngine()
+        server = _server(DecodeServer, engine)
+        gen = GenerateRequest("r-0", list(range(4, 4 + n)), SamplingParams(max_tokens=100))
+        stream = server.generate(DecodeRequest(gen, None))
+        first = asyncio.ensure_future(stream.__anext__())
+        await asyncio.sleep(0.01)
+        host = server.host
+        waiting = (host.local_prefill_tokens, host.local_prefill_demand_tokens)
+        engine.gate.set()
+        await first
+        assert (host.local_prefill_tokens, host.local_prefill_demand_tokens) == (0, 0)
+        await stream.aclose()
+        return waiting
+
+    assert asyncio.run(main(600)) == (600, 600)
+    assert asyncio.run(main(200)) == (200, 0)  # a short prompt asks for no prefill replica

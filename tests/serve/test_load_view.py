@@ -70,6 +70,56 @@ def test_the_chosen_replicas_measured_rates_reach_the_policy():
     assert view.prefill_load().rate is None and view.decode_load().step_time_s is None
 
 
+class Broadcasting:
+    """A deployment handle's `broadcast`: `placement_load` answers each replica's report
+    in turn; other methods are recorded with their arguments."""
+
+    def __init__(self, reports: list[list[dict]]):
+        self.reports, self.told = reports, []
+
+    def broadcast(self, method: str, *args):
+        if method == "placement_load":
+            answer = self.reports.pop(0) if len(self.reports) > 1 else self.reports[0]
+        else:
+            self.told.append((method, *args))
+            answer = [None]
+
+        class Response:
+            async def results_async(self):
+                return answer
+
+        return Response()
+
+
+def test_the_demand_decode_replicas_took_is_told_to_the_prefill_replicas():
+    """Every poll, each prefill replica is told its share of the decode replicas' prefill
+    demand (the prefill autoscaler's `spilled_prefill_tokens`), and once more when it falls
+    to 0; nothing while there is none. Seen failing (nothing told) with `_tell_spilled`
+    not called, and (1,000 told, not 500) with the share not divided among the replicas."""
+    import asyncio
+
+    decode_reports = [
+        [report(0, prefill_demand_tokens=0)],
+        [report(600, prefill_demand_tokens=600), report(400, prefill_demand_tokens=400)],
+        [report(0, prefill_demand_tokens=0)],
+        [report(0)],  # a replica of a version that does not report it
+    ]
+    prefill = Broadcasting([[report(0), report(0)]])
+    decode = Broadcasting(decode_reports)
+    view = LoadView(prefill, decode, period_s=0.0)
+
+    async def four_polls():
+        view.start()
+        while decode.reports[0] is not decode_reports[-1]:
+            await asyncio.sleep(0)
+        for _ in range(20):  # a few more polls of the last report
+            await asyncio.sleep(0)
+        await view.stop()
+
+    asyncio.run(four_polls())
+    assert prefill.told == [("tell_spilled_demand", 500), ("tell_spilled_demand", 0)]
+
+
 def _driver(prefill_queue: int, decode_free: int = 100_000) -> RequestDriver:
     calls: list[str] = []
     view = LoadView(None, None, period_s=1.0)

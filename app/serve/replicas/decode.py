@@ -19,6 +19,7 @@ from app.serve.messages import DecodeRequest, HandOff, HandOffPart, PrefillResul
 from app.serve.metrics import RequestTimer
 from app.serve.replicas.engine_replica import EngineReplica
 from app.serve.replicas.hand_off_parts import PartImports, continues
+from app.serve.routing.prefill_placement import PlacementConfig, PromptLoad, prefill_demand_tokens
 from app.serve.streaming import coalesce
 
 log = logging.getLogger(__name__)
@@ -101,14 +102,20 @@ class DecodeServer(EngineReplica):
     def _local_prefill(self, req: DecodeRequest) -> Iterator[Callable[[], None]]:
         """Counts a choice this replica prefills itself (no prefill result) in its queued
         prefill tokens (`placement_load`) until ``prefilled()`` is called (its first token)
-        or the choice ends."""
-        pending = len(req.request.prompt_token_ids) if req.prefill is None else 0
-        self.host.local_prefill_tokens += pending
+        or the choice ends; a prompt over the short-prompt limit also in the prefill demand
+        it reports (the prefill autoscaler's spilled tokens: app/serve/routing/autoscaling.py)."""
+        host, n = self.host, len(req.request.prompt_token_ids)
+        pending = n if req.prefill is None else 0
+        short = PlacementConfig(short_prompt_tokens=self.args.local_prefill_tokens)
+        demand = prefill_demand_tokens(PromptLoad(n), short) if pending else 0
+        host.local_prefill_tokens += pending
+        host.local_prefill_demand_tokens += demand
 
         def prefilled() -> None:
-            nonlocal pending
-            self.host.local_prefill_tokens -= pending
-            pending = 0
+            nonlocal pending, demand
+            host.local_prefill_tokens -= pending
+            host.local_prefill_demand_tokens -= demand
+            pending = demand = 0
 
         try:
             yield prefilled

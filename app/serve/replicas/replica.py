@@ -20,7 +20,7 @@ from app.kvstore.transfer import FetchResult, drop_rejected, fetch_verified
 from app.serve.config import EngineArgs, ServeArgs
 from app.serve.messages import prompt_chunk_keys, short_key
 from app.serve.metrics import ReplicaMetrics, model_label
-from app.serve.routing.autoscaling import autoscaling_stats
+from app.serve.routing.autoscaling import SpilledDemand, autoscaling_stats
 from app.serve.routing.compute import Compute, this_replica
 from app.serve.routing.prefill_placement import (
     DECODE_HEADROOM_TOKENS,
@@ -31,6 +31,9 @@ from app.serve.routing.prefill_placement import (
 
 log = logging.getLogger(__name__)
 _RECENT_KEYS = 2048  # chunk keys a replica advertises for prefix affinity
+# A told share of spilled prefill demand counts for this many routing periods: a missed
+# report or two keeps it, ingresses gone for longer drop it
+SPILLED_TTL_PERIODS = 4
 
 
 def resolve_model(model: str | None) -> str:
@@ -72,6 +75,10 @@ class EngineHost:
         self.inflight_tokens = 0  # prompt tokens of requests this replica is working on
         # decode: prompt tokens of choices it prefills itself, until their first token
         self.local_prefill_tokens = 0
+        # ... those of them over the short-prompt limit: prefill demand (autoscaling.py)
+        self.local_prefill_demand_tokens = 0
+        # prefill: its share of that demand, told by the ingresses
+        self.spilled_demand = SpilledDemand(ttl_s=SPILLED_TTL_PERIODS * args.routing_stats_period_s)
         self.role = role
         self._recent: OrderedDict[int, None] = OrderedDict()
         model = model_label(args.served_model_name, self.engine.config.model)
@@ -215,11 +222,13 @@ class EngineHost:
             "compute": self.compute.report() if self.compute else None,
             "prefill_rate": rates.prefill_tokens_per_s,
             "decode_step_s": rates.decode_step_s,
+            "prefill_demand_tokens": self.local_prefill_demand_tokens,
         }
 
     def autoscaling_stats(self) -> dict[str, float]:
         """The load Serve's autoscaler sees (app/serve/routing/autoscaling.py)."""
-        return autoscaling_stats(self.engine.stats(), self.inflight_tokens)
+        spilled = self.spilled_demand.tokens if self.role == "prefill" else 0
+        return autoscaling_stats(self.engine.stats(), self.inflight_tokens, spilled)
 
 
 def _compute(config: EngineConfig, threads: int) -> Compute | None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from typing import Any
 
 from ray.serve.autoscaling_policy import replica_queue_length_autoscaling_policy
@@ -39,18 +40,47 @@ NUM_REQUESTS = "num_requests"  # sequences in the replica's engine (running + wa
 KV_CACHE_USAGE = "kv_cache_usage"  # fraction of KV blocks in use, 0..1
 NUM_RUNNING = "num_running"  # sequences in the decode batch
 NUM_WAITING = "num_waiting"  # sequences admitted but not scheduled (no KV room / batch full)
+# prompt tokens over the short-prompt limit prefilled on decode replicas, this prefill
+# replica's share (the ingress passes it on: `SpilledDemand`)
+SPILLED_PREFILL_TOKENS = "spilled_prefill_tokens"
 
 
-def autoscaling_stats(stats: dict[str, Any], inflight_tokens: int) -> dict[str, float]:
-    """What an engine replica reports to the Serve autoscaler: ``Engine.stats()`` and the
-    prompt tokens of the requests it is working on (``EngineHost.inflight_tokens``)."""
+def autoscaling_stats(
+    stats: dict[str, Any], inflight_tokens: int, spilled_tokens: int = 0
+) -> dict[str, float]:
+    """What an engine replica reports to the Serve autoscaler: ``Engine.stats()``, the
+    prompt tokens of the requests it is working on (``EngineHost.inflight_tokens``) and, on
+    a prefill replica, its share of the prefill demand spilled to decode replicas."""
     return {
         PREFILL_TOKENS: float(inflight_tokens),
+        SPILLED_PREFILL_TOKENS: float(spilled_tokens),
         NUM_REQUESTS: float(stats["num_running"] + stats["num_waiting"]),
         KV_CACHE_USAGE: float(stats["kv_cache_usage"]),
         NUM_RUNNING: float(stats["num_running"]),
         NUM_WAITING: float(stats["num_waiting"]),
     }
+
+
+class SpilledDemand:
+    """The prefill demand a prefill replica is told of by the ingresses: prompt tokens
+    that ask for a prefill replica (`prefill_placement.prefill_demand_tokens`) but prefill
+    on decode replicas (the prefill queue was the slower way to a first token, or the
+    replicas share compute). Each ingress reads the decode replicas' totals every routing
+    period and sends
+    every prefill replica its share; all ingresses see the same totals, so the latest one
+    told wins (no sum). Unrefreshed for ``ttl_s`` (the ingresses stopped), it counts 0."""
+
+    def __init__(self, ttl_s: float, clock=time.monotonic):
+        assert ttl_s > 0
+        self.ttl_s, self.clock = ttl_s, clock
+        self._tokens, self._at = 0, -math.inf
+
+    def tell(self, tokens: int) -> None:
+        self._tokens, self._at = max(0, int(tokens)), self.clock()
+
+    @property
+    def tokens(self) -> int:
+        return self._tokens if self.clock() - self._at <= self.ttl_s else 0
 
 
 def _per_replica(ctx: AutoscalingContext, name: str) -> list[float] | None:
@@ -132,11 +162,14 @@ def _fallback(ctx: AutoscalingContext, report: DecisionReport) -> tuple[float, d
 class PrefillTokenPolicy:
     """Replicas = prompt tokens waiting to be prefilled / ``target_tokens_per_replica``.
 
-    The waiting tokens are those the replicas hold (``prefill_tokens``) plus an estimate for
-    the requests Serve still queues at the callers' handles (beyond ``max_ongoing_requests``):
-    each counted at the replicas' mean tokens per request, or ``default_prompt_tokens`` when
-    the replicas are idle. Choose the target as the tokens one replica prefills within your
-    TTFT budget (prefill throughput in tokens/s x budget in s).
+    The waiting tokens are those the replicas hold (``prefill_tokens``), those that asked
+    for a prefill replica but prefill on decode replicas because this deployment's queue
+    was slower (``spilled_prefill_tokens``: the placement policy's spill is demand for
+    more prefill replicas, not less), plus an estimate for the requests Serve still queues
+    at the callers' handles (beyond ``max_ongoing_requests``): each counted at the
+    replicas' mean tokens per request, or ``default_prompt_tokens`` when the replicas are
+    idle. Choose the target as the tokens one replica prefills within your TTFT budget
+    (prefill throughput in tokens/s x budget in s).
     """
 
     def __init__(self, target_tokens_per_replica: float = 8192, default_prompt_tokens: int = 512):
@@ -151,12 +184,14 @@ class PrefillTokenPolicy:
         if tokens is None or requests is None:
             return _fallback(ctx, self.report)
         held, running = sum(tokens), sum(requests)
+        spilled = sum(_per_replica(ctx, SPILLED_PREFILL_TOKENS) or [0.0])  # older: absent
         per_request = held / running if running >= 1 else self.default_prompt_tokens
         queued = max(0.0, float(ctx.total_queued_requests or 0.0))
-        demand = held + queued * per_request
+        demand = held + spilled + queued * per_request
         desired = demand / self.target_tokens_per_replica
         inputs = {
             "prefill_tokens": held,
+            "spilled_prefill_tokens": spilled,
             "queued_requests": queued,
             "tokens_per_request": per_request,
             "prefill_tokens_demand": demand,

@@ -2,7 +2,9 @@
 policy (app/serve/routing/prefill_placement.py): every ``period_s`` each deployment's replicas are
 asked for their `placement_load()` with Serve's `broadcast` (a public handle API), and
 what this ingress placed since is added on top, so a burst decided between two reports
-does not all land on one side.
+does not all land on one side. It also passes on to the prefill replicas the prefill demand
+the decode replicas took (long prompts placed locally), so that the prefill autoscaler
+counts it (app/serve/routing/autoscaling.py).
 
 The prefill side is its least-loaded replica (where the token-aware router sends a prompt);
 the decode side is the decode replica with the most KV headroom (where the router sends
@@ -18,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from dataclasses import dataclass
 
 from ray.serve.handle import DeploymentHandle
@@ -40,6 +43,7 @@ class ReplicaLoad:
     compute: Compute | None = None  # where it runs (None: not reported)
     prefill_rate: float | None = None  # its measured prefill tokens/s (None: not yet)
     decode_step_s: float | None = None  # its measured decode step time (None: not yet)
+    prefill_demand_tokens: int = 0  # a decode replica's local prefills over the short limit
 
     @classmethod
     def from_report(cls, report: dict) -> ReplicaLoad:
@@ -50,6 +54,7 @@ class ReplicaLoad:
             Compute.from_report(report.get("compute")),
             measured(report.get("prefill_rate")),
             measured(report.get("decode_step_s")),
+            int(report.get("prefill_demand_tokens") or 0),
         )
 
 
@@ -60,6 +65,7 @@ class LoadView:
         self.decode_replicas: list[ReplicaLoad] = []
         self._placed = {"local": 0, "remote": 0}  # prompt tokens placed since the report
         self._task: asyncio.Task | None = None
+        self._told = 0  # the share last sent to the prefill replicas
 
     @property
     def known(self) -> bool:
@@ -95,6 +101,13 @@ class LoadView:
         """The one with the most KV headroom (where the router sends the choice)."""
         return max(self.decode_replicas, key=lambda r: r.free_kv_tokens - r.queued_prefill_tokens)
 
+    def spilled_share(self) -> int:
+        """Each prefill replica's share of the prefill demand its decode replicas took
+        (the prefill autoscaler's `spilled_prefill_tokens`: the deployment's sum is the
+        decode replicas' total)."""
+        total = sum(r.prefill_demand_tokens for r in self.decode_replicas)
+        return math.ceil(total / len(self.prefill_replicas)) if self.prefill_replicas else 0
+
     def update(self, prefill: list[dict], decode: list[dict]) -> None:
         """A new report from every replica: it includes what was placed before it."""
         self.prefill_replicas = [ReplicaLoad.from_report(r) for r in prefill]
@@ -109,6 +122,16 @@ class LoadView:
                     self.decode.broadcast("placement_load").results_async(),
                 )
                 self.update(list(prefill), list(decode))
+                await self._tell_spilled()
             except Exception as e:  # noqa: BLE001 - a replica restarting: keep the last view
                 log.debug("placement load poll failed: %r", e)
             await asyncio.sleep(self.period_s)
+
+    async def _tell_spilled(self) -> None:
+        """The prefill replicas' share of the demand spilled to decode replicas, sent
+        while there is some and once when it falls to 0 (a replica also drops a share
+        no ingress refreshes: `SpilledDemand`)."""
+        share = self.spilled_share()
+        if share or self._told:
+            await self.prefill.broadcast("tell_spilled_demand", share).results_async()
+        self._told = share

@@ -69,3 +69,18 @@ def test_replicas_report_the_rates_measured_of_their_steps(url):
     handle = serve.get_deployment_handle("DecodeServer", "slimserve")
     load = handle.placement_load.remote().result()
     assert load["prefill_rate"] > 0 and 0 < load["decode_step_s"] < 10
+
+
+def test_the_prefill_autoscaler_sees_the_demand_the_decode_replica_took(url):
+    """Through Serve: the decode replica's report carries the prefill demand of its local
+    prefills (none left once they are done), and a prefill replica reports the share it
+    is told as its autoscaling input `spilled_prefill_tokens` (the ingress's part, the
+    telling, is tests/serve/test_load_view.py). Seen failing (0.0) with the share left out
+    of `EngineHost.autoscaling_stats`."""
+    complete(url, prompt_ids(8))  # a long prompt, prefilled on the decode replica
+    decode = serve.get_deployment_handle("DecodeServer", "slimserve")
+    assert decode.placement_load.remote().result()["prefill_demand_tokens"] == 0
+    prefill = serve.get_deployment_handle("PrefillServer", "slimserve")
+    prefill.tell_spilled_demand.remote(300).result()
+    stats = prefill.record_autoscaling_stats.remote().result()
+    assert stats["spilled_prefill_tokens"] == 300.0
