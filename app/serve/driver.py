@@ -158,36 +158,39 @@ class RequestDriver:
     ) -> AsyncIterator[RequestDelta]:
         if self.engine is not None:
             deltas = self._one_call(self.engine, gen, admission)
-        elif self._prefills_locally(gen):
+        elif (local := self._local_prefill(gen)) is not None:
             self._record_local(gen)
-            deltas = self._one_call(self.decode, DecodeRequest(gen, None, gen.routing), admission)
+            deltas = self._one_call(self.decode, local, admission)
         else:
             deltas = self._prefill_then_decode(gen, admission)
         async with contextlib.aclosing(deltas):  # closing us cancels the calls at once
             async for delta in deltas:
                 yield delta
 
-    def _prefills_locally(self, gen: GenerateRequest) -> bool:
-        """Whether the choice's decode replica prefills its prompt. A routing hint names a
-        prefill replica, and a limit of 0 sends every prompt there. Otherwise the load-aware
-        policy decides (app/serve/routing/prefill_placement.py): a short prompt (it fills no KV
-        chunk, so nothing for the store) prefills locally unless the decode replica cannot
-        hold it, and a longer one too when its decode replica would give it its first token
-        clearly sooner than the prefill replicas' queue; until the replicas have reported
-        their load, the prompt's length alone decides."""
+    def _local_prefill(self, gen: GenerateRequest) -> DecodeRequest | None:
+        """The decode call that prefills the choice's prompt on its decode replica, or None:
+        it prefills on a prefill replica. A routing hint names a prefill replica, and a
+        limit of 0 sends every prompt there. Otherwise the load-aware policy decides
+        (app/serve/routing/prefill_placement.py): a short prompt (it fills no KV chunk, so
+        nothing for the store) prefills locally unless the decode replica cannot hold it,
+        and a longer one too when its decode replica would give it its first token clearly
+        sooner than the prefill replicas' queue (the call then carries the tokens spilled);
+        until the replicas have reported their load, the prompt's length alone decides."""
         n = len(gen.prompt_token_ids)
         if gen.routing.hint is not None or self.local_prefill_tokens == 0:
-            return False
+            return None
         view, config = self.load_view, self.placement_config
         if view is None or config is None or not view.known:
-            return n <= self.local_prefill_tokens
+            return DecodeRequest(gen, None, gen.routing) if n <= self.local_prefill_tokens else None
         prefill, decode = view.prefill_load(), view.decode_load()
         placement = place_prefill(PromptLoad(n), prefill, decode, config)
         view.placed(placement.where, n)
         self.metrics.inc(PLACEMENTS, 1, **placement.labels)
         self.metrics.observe(TTFT_ESTIMATE, placement.ttft_s, where=placement.where)
         self.metrics.set(SHARES_COMPUTE, int(prefill.shares_compute))
-        return placement.where == "local"
+        if placement.where == "remote":
+            return None
+        return DecodeRequest(gen, None, gen.routing, spilled_tokens=placement.spilled_tokens)
 
     async def _one_call(
         self,

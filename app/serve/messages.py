@@ -98,6 +98,9 @@ class DecodeRequest:
     # prefills the prompt itself (a short prompt: ServeArgs.local_prefill_max_tokens)
     prefill: PrefillResult | HandOff | None
     routing: RoutingInfo = field(default_factory=lambda: RoutingInfo(0))
+    # prefilled here only because the prefill replicas' queue was long: the tokens a prefill
+    # replica would have computed (Placement.spilled_tokens), reported until the first token
+    spilled_tokens: int = 0
 
 
 def short_key(key: bytes) -> int:

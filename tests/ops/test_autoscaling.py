@@ -89,15 +89,20 @@ def test_prefill_counts_handle_queue_at_mean_tokens_per_request():
 
 
 def test_prefill_counts_the_demand_spilled_to_decode_replicas():
-    """Long prompts placed on decode replicas because the prefill queue was slower are
-    demand for prefill replicas: the placement policy spilling them must not make the
-    prefill deployment look idle. Replicas of a version without the metric count 0. Seen
-    failing (2.0, not 5.0) with the spilled tokens left out of the demand."""
+    """Long prompts placed on decode replicas because the prefill queue was long are demand
+    for prefill replicas: the placement policy spilling them must not make the prefill
+    deployment look idle. Every replica is told the same total, so the largest report
+    counts (a replica that joined since, or of an older version, may report less or
+    nothing). Seen failing (2.0, not 3.5) with the spilled tokens left out of the demand,
+    and (5.0) with the reports summed."""
     policy = PrefillTokenPolicy(target_tokens_per_replica=1000)
     ctx = prefill_ctx([1000, 1000], [2, 2])
     ctx.aggregated_metrics[SPILLED_PREFILL_TOKENS] = dict(zip(ctx.running_replicas, [1500, 1500]))
     desired, state = policy(ctx)
-    assert desired == pytest.approx(5.0) and state["prefill_tokens_demand"] == 5000
+    assert desired == pytest.approx(3.5) and state["prefill_tokens_demand"] == 3500
+    one = prefill_ctx([1000, 1000], [2, 2])
+    one.aggregated_metrics[SPILLED_PREFILL_TOKENS] = {one.running_replicas[0]: 1500}
+    assert policy(one)[0] == pytest.approx(3.5)  # the other replica has not reported it
     assert policy(prefill_ctx([1000, 1000], [2, 2]))[0] == pytest.approx(2.0)  # none told
 
 

@@ -53,6 +53,7 @@ def _server(cls, engine: StepEngine, box: _Box | None = None):
     server.host = SimpleNamespace(
         inflight_tokens=0,
         local_prefill_tokens=0,
+        spilled_prefill_tokens=0,
         async_engine=AsyncEngine(engine),
         metrics=SimpleNamespace(observe=lambda *a: None, inc=lambda *a: None),
         fetch=lambda chunks, prompt, **kw: _fetched(),

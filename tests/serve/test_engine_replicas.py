@@ -36,11 +36,11 @@ async def _passthrough(deltas, *args, **kw):
 
 def _server(cls, engine: EndlessEngine):
     server = object.__new__(cls.func_or_class)  # the deployment's class, not started
-    server.args = SimpleNamespace(stream_interval_s=0.0, local_prefill_tokens=255)
+    server.args = SimpleNamespace(stream_interval_s=0.0)
     server.host = SimpleNamespace(
         inflight_tokens=0,
         local_prefill_tokens=0,
-        local_prefill_demand_tokens=0,
+        spilled_prefill_tokens=0,
         async_engine=engine,
         metrics=SimpleNamespace(timed=_passthrough, inc=lambda *a, **kw: None),
         fetch=lambda chunks, prompt, **kw: _fetched(),
@@ -91,27 +91,44 @@ class GatedEngine(EndlessEngine):
             yield delta
 
 
-def test_a_decode_replica_reports_the_prefill_demand_it_took_until_the_first_token():
-    """A choice the decode replica prefills counts in its queued prefill tokens, and when
-    its prompt is over the short-prompt limit in its prefill demand too (what the prefill
-    autoscaler must see: app/serve/routing/load_view.py), both until its first token.
-    Seen failing (-600 after the first token) with the demand not added in
-    `_local_prefill`."""
+def test_a_decode_replica_reports_the_spilled_demand_it_took_until_the_first_token():
+    """A choice the decode replica prefills counts in its queued prefill tokens, and the
+    tokens it took from busy prefill replicas (`DecodeRequest.spilled_tokens`) in its
+    spilled demand (what the prefill autoscaler must see: app/serve/routing/load_view.py),
+    both until its first token, or until the choice fails. Seen failing (-600 after the
+    first token) with the spilled tokens not added in `_local_prefill`."""
 
-    async def main(n: int) -> tuple[int, int]:
+    async def main(spilled: int) -> tuple[int, int]:
         engine = GatedEngine()
         server = _server(DecodeServer, engine)
-        gen = GenerateRequest("r-0", list(range(4, 4 + n)), SamplingParams(max_tokens=100))
-        stream = server.generate(DecodeRequest(gen, None))
+        gen = GenerateRequest("r-0", list(range(4, 604)), SamplingParams(max_tokens=100))
+        stream = server.generate(DecodeRequest(gen, None, spilled_tokens=spilled))
         first = asyncio.ensure_future(stream.__anext__())
         await asyncio.sleep(0.01)
         host = server.host
-        waiting = (host.local_prefill_tokens, host.local_prefill_demand_tokens)
+        waiting = (host.local_prefill_tokens, host.spilled_prefill_tokens)
         engine.gate.set()
         await first
-        assert (host.local_prefill_tokens, host.local_prefill_demand_tokens) == (0, 0)
+        assert (host.local_prefill_tokens, host.spilled_prefill_tokens) == (0, 0)
         await stream.aclose()
         return waiting
 
     assert asyncio.run(main(600)) == (600, 600)
-    assert asyncio.run(main(200)) == (200, 0)  # a short prompt asks for no prefill replica
+    assert asyncio.run(main(0)) == (600, 0)  # local for another reason: no demand
+
+
+def test_a_failed_local_prefill_leaves_nothing_counted():
+    """The counts are given back when the choice fails before its first token (the
+    `generate_to` path uses the same context). Seen failing with the `finally` removed."""
+    server = _server(DecodeServer, EndlessEngine())
+    gen = GenerateRequest("r-0", list(range(4, 604)), SamplingParams(max_tokens=100))
+    try:
+        with server._local_prefill(DecodeRequest(gen, None, spilled_tokens=600)):
+            assert (server.host.local_prefill_tokens, server.host.spilled_prefill_tokens) == (
+                600,
+                600,
+            )
+            raise RuntimeError("the engine failed")
+    except RuntimeError:
+        pass
+    assert (server.host.local_prefill_tokens, server.host.spilled_prefill_tokens) == (0, 0)

@@ -72,52 +72,77 @@ def test_the_chosen_replicas_measured_rates_reach_the_policy():
 
 class Broadcasting:
     """A deployment handle's `broadcast`: `placement_load` answers each replica's report
-    in turn; other methods are recorded with their arguments."""
+    in turn; other methods are recorded with their arguments, and fail while ``failing``."""
 
     def __init__(self, reports: list[list[dict]]):
-        self.reports, self.told = reports, []
+        self.reports, self.told, self.failing = reports, [], 0
 
     def broadcast(self, method: str, *args):
         if method == "placement_load":
             answer = self.reports.pop(0) if len(self.reports) > 1 else self.reports[0]
+        elif self.failing:
+            self.failing -= 1
+            answer = RuntimeError("no such method")
         else:
             self.told.append((method, *args))
             answer = [None]
 
         class Response:
             async def results_async(self):
+                if isinstance(answer, Exception):
+                    raise answer
                 return answer
 
         return Response()
 
 
-def test_the_demand_decode_replicas_took_is_told_to_the_prefill_replicas():
-    """Every poll, each prefill replica is told its share of the decode replicas' prefill
-    demand (the prefill autoscaler's `spilled_prefill_tokens`), and once more when it falls
-    to 0; nothing while there is none. Seen failing (nothing told) with `_tell_spilled`
-    not called, and (1,000 told, not 500) with the share not divided among the replicas."""
+def polled(decode_reports: list[list[dict]], failing: int = 0) -> Broadcasting:
+    """Runs a LoadView's poll loop over the decode reports (then some more polls of the
+    last); -> the prefill deployment's handle, with what it was told."""
     import asyncio
 
-    decode_reports = [
-        [report(0, prefill_demand_tokens=0)],
-        [report(600, prefill_demand_tokens=600), report(400, prefill_demand_tokens=400)],
-        [report(0, prefill_demand_tokens=0)],
-        [report(0)],  # a replica of a version that does not report it
-    ]
     prefill = Broadcasting([[report(0), report(0)]])
+    prefill.failing = failing
     decode = Broadcasting(decode_reports)
     view = LoadView(prefill, decode, period_s=0.0)
 
-    async def four_polls():
+    async def polls():
         view.start()
         while decode.reports[0] is not decode_reports[-1]:
             await asyncio.sleep(0)
-        for _ in range(20):  # a few more polls of the last report
+        for _ in range(20):
             await asyncio.sleep(0)
         await view.stop()
 
-    asyncio.run(four_polls())
-    assert prefill.told == [("tell_spilled_demand", 500), ("tell_spilled_demand", 0)]
+    asyncio.run(polls())
+    return prefill
+
+
+def test_the_demand_decode_replicas_took_is_told_to_every_prefill_replica():
+    """Every poll, the prefill replicas are told the decode replicas' spilled tokens, the
+    whole total to each (the policy takes the largest report), and once more when it falls
+    to 0; nothing while there is none, nor from a replica that does not report it. Seen
+    failing (nothing told) with `_tell_spilled` not called."""
+    prefill = polled([
+        [report(0, spilled_prefill_tokens=0)],
+        [report(600, spilled_prefill_tokens=600), report(400, spilled_prefill_tokens=400)],
+        [report(0, spilled_prefill_tokens=0)],
+        [report(0)],  # a replica of a version that does not report it
+    ])  # fmt: skip
+    assert prefill.told == [("tell_spilled_demand", 1000), ("tell_spilled_demand", 0)]
+
+
+def test_a_failed_tell_is_logged_once_and_tried_again(caplog):
+    """A tell that fails (e.g. replicas of a version without the method, mid-update) is
+    tried again next poll, warned about once, and does not stop the view's polls. Seen
+    failing (a warning per failure) with the warning not held back while failing."""
+    import logging
+
+    with caplog.at_level(logging.DEBUG, logger="app.serve.routing.load_view"):
+        prefill = polled([[report(0, spilled_prefill_tokens=300)]] * 2, failing=3)
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "spilled demand" in warnings[0].getMessage()
+    assert prefill.told and set(prefill.told) == {("tell_spilled_demand", 300)}
 
 
 def _driver(prefill_queue: int, decode_free: int = 100_000) -> RequestDriver:
@@ -142,23 +167,23 @@ def test_a_long_prompt_prefills_locally_while_the_prefill_replica_is_saturated()
     replica idles go local; with the prefill replica idle they go remote; a short prompt
     goes local, a routing hint or a decode replica that cannot hold the prompt remote.
     Seen failing (always remote for 600) with the driver's length rule alone."""
-    assert _driver(prefill_queue=20_000)._prefills_locally(_gen(600))
-    assert not _driver(prefill_queue=0)._prefills_locally(_gen(600))
-    assert _driver(prefill_queue=0)._prefills_locally(_gen(100))
-    assert not _driver(prefill_queue=20_000)._prefills_locally(_gen(600, hint=0))
-    assert not _driver(prefill_queue=20_000, decode_free=512)._prefills_locally(_gen(600))
+    assert _driver(prefill_queue=20_000)._local_prefill(_gen(600))
+    assert not _driver(prefill_queue=0)._local_prefill(_gen(600))
+    assert _driver(prefill_queue=0)._local_prefill(_gen(100))
+    assert not _driver(prefill_queue=20_000)._local_prefill(_gen(600, hint=0))
+    assert not _driver(prefill_queue=20_000, decode_free=512)._local_prefill(_gen(600))
 
 
 def test_a_limit_of_zero_sends_every_prompt_to_a_prefill_replica():
     driver = _driver(prefill_queue=20_000)
     driver.local_prefill_tokens = 0
-    assert not driver._prefills_locally(_gen(100)) and not driver._prefills_locally(_gen(600))
+    assert not driver._local_prefill(_gen(100)) and not driver._local_prefill(_gen(600))
 
 
 def test_without_a_report_the_prompt_length_decides():
     driver = _driver(prefill_queue=20_000)
     driver.load_view = LoadView(None, None, period_s=1.0)  # nothing reported yet
-    assert driver._prefills_locally(_gen(255)) and not driver._prefills_locally(_gen(256))
+    assert driver._local_prefill(_gen(255)) and not driver._local_prefill(_gen(256))
 
 
 def test_each_placement_records_its_ttft_estimate(monkeypatch):
@@ -177,7 +202,7 @@ def test_each_placement_records_its_ttft_estimate(monkeypatch):
 
     monkeypatch.setattr(metrics, "_metric", Recorder)
     driver = _driver(prefill_queue=20_000)  # fallback 4,096 tokens/s on both sides
-    assert driver._prefills_locally(_gen(600))
+    assert driver._local_prefill(_gen(600))
     estimates = [(v, t["where"]) for n, v, t in seen if n == TTFT_ESTIMATE]
     assert estimates == [(pytest.approx(600 / 4096), "local")]
     assert any(n == PLACEMENTS and t["where"] == "local" for n, _, t in seen)

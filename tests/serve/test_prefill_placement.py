@@ -22,7 +22,6 @@ from app.serve.routing.prefill_placement import (
     PrefillLoad,
     PromptLoad,
     place_prefill,
-    prefill_demand_tokens,
 )
 
 CONFIG = PlacementConfig(short_prompt_tokens=255, max_decode_running=48, local_margin=0.2)
@@ -36,7 +35,7 @@ def place(prompt=LONG, prefill=IDLE_PREFILL, decode=IDLE_DECODE, config=CONFIG):
     return place_prefill(prompt, prefill, decode, config)
 
 
-def test_saturated_prefill_replica_with_idle_decode_replica_prefills_locally():
+def test_saturated_prefill_replica_with_idle_decode_replica_local_prefill():
     p = place(prefill=SATURATED_PREFILL)
     assert (p.where, p.reason) == ("local", LOCAL_FASTER)
     assert p.ttft_local_s == pytest.approx(0.6)
@@ -112,7 +111,7 @@ def test_itl_slowdown_counts_one_step_of_prefill():
     assert (p.where, p.reason) == ("local", LOCAL_FASTER)
 
 
-def test_short_prompt_prefills_locally():
+def test_short_prompt_local_prefill():
     busy = dataclasses.replace(IDLE_DECODE, queued_prefill_tokens=4000)  # remote is faster
     p = place(prompt=PromptLoad(255), decode=busy)
     assert (p.where, p.reason) == ("local", SHORT_PROMPT)
@@ -124,7 +123,7 @@ def test_short_prompt_goes_remote_when_the_decode_replica_cannot_hold_it():
     assert place(prompt=PromptLoad(200), decode=full).reason == DECODE_KV_FULL
 
 
-def test_no_prefill_replica_prefills_locally():
+def test_no_prefill_replica_local_prefill():
     none = PrefillLoad(queued_tokens=0, num_replicas=0)
     full = dataclasses.replace(IDLE_DECODE, free_kv_tokens=0)
     p = place(prefill=none, decode=full)
@@ -187,10 +186,31 @@ def test_cached_prefix_counts_only_on_its_side():
     assert p.where == "remote" and p.ttft_remote_s == pytest.approx(0.088)
 
 
-def test_prefill_demand_counts_what_may_go_remote():
-    assert prefill_demand_tokens(PromptLoad(255), CONFIG) == 0
-    assert prefill_demand_tokens(PromptLoad(600), CONFIG) == 600
-    assert prefill_demand_tokens(PromptLoad(600, cached_remote_tokens=512), CONFIG) == 88
+def test_a_prompt_local_only_for_the_prefill_queue_counts_as_spilled():
+    """Local because the prefill replica is saturated: an idle one would have taken it, so
+    its remote work is spilled demand (the prefill autoscaler's). Seen failing (0) with
+    `spilled_tokens` not passed to the placement."""
+    assert place(prefill=SATURATED_PREFILL).spilled_tokens == 600
+    cached = PromptLoad(600, cached_remote_tokens=512)  # the prefill replica holds most
+    assert place(prompt=cached, prefill=SATURATED_PREFILL).spilled_tokens == 88
+
+
+def test_local_placements_more_prefill_replicas_would_not_take_are_not_spilled():
+    """Local even against an idle prefill replica (a costly hand-off here), a short prompt,
+    shared compute, no prefill replica, and every remote placement: no spilled demand.
+    Seen failing (600 for the hand-off case) with the idle replica's estimate not checked."""
+    costly = dataclasses.replace(CONFIG, handoff_s=0.6)
+    p = place(prefill=SATURATED_PREFILL, config=costly)
+    assert (p.reason, p.spilled_tokens) == (LOCAL_FASTER, 0)
+    shared = dataclasses.replace(SATURATED_PREFILL, shares_compute=True)
+    none = PrefillLoad(queued_tokens=0, num_replicas=0)
+    for p in (
+        place(prompt=PromptLoad(100), prefill=SATURATED_PREFILL),
+        place(prefill=shared),
+        place(prefill=none),
+        place(),
+    ):
+        assert p.spilled_tokens == 0, p
 
 
 def test_a_short_remote_queue_is_no_reason_to_prefill_locally():

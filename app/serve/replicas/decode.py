@@ -19,7 +19,6 @@ from app.serve.messages import DecodeRequest, HandOff, HandOffPart, PrefillResul
 from app.serve.metrics import RequestTimer
 from app.serve.replicas.engine_replica import EngineReplica
 from app.serve.replicas.hand_off_parts import PartImports, continues
-from app.serve.routing.prefill_placement import PlacementConfig, PromptLoad, prefill_demand_tokens
 from app.serve.streaming import coalesce
 
 log = logging.getLogger(__name__)
@@ -102,20 +101,20 @@ class DecodeServer(EngineReplica):
     def _local_prefill(self, req: DecodeRequest) -> Iterator[Callable[[], None]]:
         """Counts a choice this replica prefills itself (no prefill result) in its queued
         prefill tokens (`placement_load`) until ``prefilled()`` is called (its first token)
-        or the choice ends; a prompt over the short-prompt limit also in the prefill demand
-        it reports (the prefill autoscaler's spilled tokens: app/serve/routing/autoscaling.py)."""
-        host, n = self.host, len(req.request.prompt_token_ids)
-        pending = n if req.prefill is None else 0
-        short = PlacementConfig(short_prompt_tokens=self.args.local_prefill_tokens)
-        demand = prefill_demand_tokens(PromptLoad(n), short) if pending else 0
+        or the choice ends; the tokens it took from busy prefill replicas
+        (`DecodeRequest.spilled_tokens`) as long in its spilled prefill demand (the prefill
+        autoscaler's: app/serve/routing/autoscaling.py)."""
+        host = self.host
+        pending = len(req.request.prompt_token_ids) if req.prefill is None else 0
+        spilled = req.spilled_tokens if req.prefill is None else 0
         host.local_prefill_tokens += pending
-        host.local_prefill_demand_tokens += demand
+        host.spilled_prefill_tokens += spilled
 
         def prefilled() -> None:
-            nonlocal pending, demand
+            nonlocal pending, spilled
             host.local_prefill_tokens -= pending
-            host.local_prefill_demand_tokens -= demand
-            pending = demand = 0
+            host.spilled_prefill_tokens -= spilled
+            pending = spilled = 0
 
         try:
             yield prefilled

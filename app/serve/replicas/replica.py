@@ -31,9 +31,10 @@ from app.serve.routing.prefill_placement import (
 
 log = logging.getLogger(__name__)
 _RECENT_KEYS = 2048  # chunk keys a replica advertises for prefix affinity
-# A told share of spilled prefill demand counts for this many routing periods: a missed
-# report or two keeps it, ingresses gone for longer drop it
-SPILLED_TTL_PERIODS = 4
+# A told spilled prefill demand counts for this many routing periods, and at least this
+# long: missed tells (polls slow down under the load that spills) keep it, ingresses gone
+# for longer drop it
+SPILLED_TTL_PERIODS, SPILLED_TTL_MIN_S = 4, 5.0
 
 
 def resolve_model(model: str | None) -> str:
@@ -75,10 +76,11 @@ class EngineHost:
         self.inflight_tokens = 0  # prompt tokens of requests this replica is working on
         # decode: prompt tokens of choices it prefills itself, until their first token
         self.local_prefill_tokens = 0
-        # ... those of them over the short-prompt limit: prefill demand (autoscaling.py)
-        self.local_prefill_demand_tokens = 0
-        # prefill: its share of that demand, told by the ingresses
-        self.spilled_demand = SpilledDemand(ttl_s=SPILLED_TTL_PERIODS * args.routing_stats_period_s)
+        # ... of them, the tokens taken from busy prefill replicas (DecodeRequest)
+        self.spilled_prefill_tokens = 0
+        # prefill: the decode replicas' spilled tokens, told by the ingresses
+        ttl_s = max(SPILLED_TTL_MIN_S, SPILLED_TTL_PERIODS * args.routing_stats_period_s)
+        self.spilled_demand = SpilledDemand(ttl_s)
         self.role = role
         self._recent: OrderedDict[int, None] = OrderedDict()
         model = model_label(args.served_model_name, self.engine.config.model)
@@ -222,7 +224,7 @@ class EngineHost:
             "compute": self.compute.report() if self.compute else None,
             "prefill_rate": rates.prefill_tokens_per_s,
             "decode_step_s": rates.decode_step_s,
-            "prefill_demand_tokens": self.local_prefill_demand_tokens,
+            "spilled_prefill_tokens": self.spilled_prefill_tokens,
         }
 
     def autoscaling_stats(self) -> dict[str, float]:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ray.serve.autoscaling_policy import replica_queue_length_autoscaling_policy
@@ -40,8 +41,8 @@ NUM_REQUESTS = "num_requests"  # sequences in the replica's engine (running + wa
 KV_CACHE_USAGE = "kv_cache_usage"  # fraction of KV blocks in use, 0..1
 NUM_RUNNING = "num_running"  # sequences in the decode batch
 NUM_WAITING = "num_waiting"  # sequences admitted but not scheduled (no KV room / batch full)
-# prompt tokens over the short-prompt limit prefilled on decode replicas, this prefill
-# replica's share (the ingress passes it on: `SpilledDemand`)
+# prompt tokens prefilled on decode replicas only because the prefill replicas were busy,
+# as the ingresses last told this prefill replica (the same total to each: `SpilledDemand`)
 SPILLED_PREFILL_TOKENS = "spilled_prefill_tokens"
 
 
@@ -50,7 +51,7 @@ def autoscaling_stats(
 ) -> dict[str, float]:
     """What an engine replica reports to the Serve autoscaler: ``Engine.stats()``, the
     prompt tokens of the requests it is working on (``EngineHost.inflight_tokens``) and, on
-    a prefill replica, its share of the prefill demand spilled to decode replicas."""
+    a prefill replica, the prefill demand spilled to decode replicas."""
     return {
         PREFILL_TOKENS: float(inflight_tokens),
         SPILLED_PREFILL_TOKENS: float(spilled_tokens),
@@ -62,15 +63,14 @@ def autoscaling_stats(
 
 
 class SpilledDemand:
-    """The prefill demand a prefill replica is told of by the ingresses: prompt tokens
-    that ask for a prefill replica (`prefill_placement.prefill_demand_tokens`) but prefill
-    on decode replicas (the prefill queue was the slower way to a first token, or the
-    replicas share compute). Each ingress reads the decode replicas' totals every routing
-    period and sends
-    every prefill replica its share; all ingresses see the same totals, so the latest one
-    told wins (no sum). Unrefreshed for ``ttl_s`` (the ingresses stopped), it counts 0."""
+    """The prefill demand a prefill replica is told of by the ingresses: prompt tokens that
+    prefill on decode replicas only because the prefill replicas' queue was long (an idle
+    one would have taken them: `prefill_placement.spilled_tokens`). Each ingress sums the
+    decode replicas' reports every routing period and tells every prefill replica the
+    total; all ingresses see the same total, so the latest told wins (no sum). Unrefreshed
+    for ``ttl_s`` (the ingresses stopped), it counts 0."""
 
-    def __init__(self, ttl_s: float, clock=time.monotonic):
+    def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic):
         assert ttl_s > 0
         self.ttl_s, self.clock = ttl_s, clock
         self._tokens, self._at = 0, -math.inf
@@ -85,11 +85,16 @@ class SpilledDemand:
 
 def _per_replica(ctx: AutoscalingContext, name: str) -> list[float] | None:
     """The metric's aggregated value for every running replica, or None if any is missing."""
+    values = _reported(ctx, name)
+    return values if values and len(values) == len(ctx.running_replicas) else None
+
+
+def _reported(ctx: AutoscalingContext, name: str) -> list[float]:
+    """The metric's aggregated value for the running replicas that report it (a replica of
+    an older version may not)."""
     by_replica = (ctx.aggregated_metrics or {}).get(name) or {}
-    values = [by_replica.get(r) for r in ctx.running_replicas]
-    if not values or any(v is None or math.isnan(v) for v in values):
-        return None
-    return [float(v) for v in values]
+    values = (by_replica.get(r) for r in ctx.running_replicas)
+    return [float(v) for v in values if v is not None and not math.isnan(v)]
 
 
 class DecisionReport:
@@ -162,14 +167,15 @@ def _fallback(ctx: AutoscalingContext, report: DecisionReport) -> tuple[float, d
 class PrefillTokenPolicy:
     """Replicas = prompt tokens waiting to be prefilled / ``target_tokens_per_replica``.
 
-    The waiting tokens are those the replicas hold (``prefill_tokens``), those that asked
-    for a prefill replica but prefill on decode replicas because this deployment's queue
-    was slower (``spilled_prefill_tokens``: the placement policy's spill is demand for
-    more prefill replicas, not less), plus an estimate for the requests Serve still queues
-    at the callers' handles (beyond ``max_ongoing_requests``): each counted at the
-    replicas' mean tokens per request, or ``default_prompt_tokens`` when the replicas are
-    idle. Choose the target as the tokens one replica prefills within your TTFT budget
-    (prefill throughput in tokens/s x budget in s).
+    The waiting tokens are those the replicas hold (``prefill_tokens``), those that prefill
+    on decode replicas only because this deployment's queue was long
+    (``spilled_prefill_tokens``; every replica is told the same total, so the largest
+    report counts: the placement policy's spill is demand for more prefill replicas, not
+    less), plus an estimate for the requests Serve still queues at the callers' handles
+    (beyond ``max_ongoing_requests``): each counted at the replicas' mean tokens per
+    request, or ``default_prompt_tokens`` when the replicas are idle. Choose the target as
+    the tokens one replica prefills within your TTFT budget (prefill throughput in
+    tokens/s x budget in s).
     """
 
     def __init__(self, target_tokens_per_replica: float = 8192, default_prompt_tokens: int = 512):
@@ -184,7 +190,7 @@ class PrefillTokenPolicy:
         if tokens is None or requests is None:
             return _fallback(ctx, self.report)
         held, running = sum(tokens), sum(requests)
-        spilled = sum(_per_replica(ctx, SPILLED_PREFILL_TOKENS) or [0.0])  # older: absent
+        spilled = max(_reported(ctx, SPILLED_PREFILL_TOKENS), default=0.0)
         per_request = held / running if running >= 1 else self.default_prompt_tokens
         queued = max(0.0, float(ctx.total_queued_requests or 0.0))
         demand = held + spilled + queued * per_request

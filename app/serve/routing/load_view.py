@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 from dataclasses import dataclass
 
 from ray.serve.handle import DeploymentHandle
@@ -43,7 +42,7 @@ class ReplicaLoad:
     compute: Compute | None = None  # where it runs (None: not reported)
     prefill_rate: float | None = None  # its measured prefill tokens/s (None: not yet)
     decode_step_s: float | None = None  # its measured decode step time (None: not yet)
-    prefill_demand_tokens: int = 0  # a decode replica's local prefills over the short limit
+    spilled_prefill_tokens: int = 0  # a decode replica's, taken from busy prefill replicas
 
     @classmethod
     def from_report(cls, report: dict) -> ReplicaLoad:
@@ -54,7 +53,7 @@ class ReplicaLoad:
             Compute.from_report(report.get("compute")),
             measured(report.get("prefill_rate")),
             measured(report.get("decode_step_s")),
-            int(report.get("prefill_demand_tokens") or 0),
+            int(report.get("spilled_prefill_tokens") or 0),
         )
 
 
@@ -65,7 +64,8 @@ class LoadView:
         self.decode_replicas: list[ReplicaLoad] = []
         self._placed = {"local": 0, "remote": 0}  # prompt tokens placed since the report
         self._task: asyncio.Task | None = None
-        self._told = 0  # the share last sent to the prefill replicas
+        self._told = 0  # the spilled tokens last told to the prefill replicas
+        self._tell_failing = False
 
     @property
     def known(self) -> bool:
@@ -101,12 +101,10 @@ class LoadView:
         """The one with the most KV headroom (where the router sends the choice)."""
         return max(self.decode_replicas, key=lambda r: r.free_kv_tokens - r.queued_prefill_tokens)
 
-    def spilled_share(self) -> int:
-        """Each prefill replica's share of the prefill demand its decode replicas took
-        (the prefill autoscaler's `spilled_prefill_tokens`: the deployment's sum is the
-        decode replicas' total)."""
-        total = sum(r.prefill_demand_tokens for r in self.decode_replicas)
-        return math.ceil(total / len(self.prefill_replicas)) if self.prefill_replicas else 0
+    def spilled_tokens(self) -> int:
+        """The prompt tokens the decode replicas took from busy prefill replicas (the
+        prefill autoscaler's `spilled_prefill_tokens`)."""
+        return sum(r.spilled_prefill_tokens for r in self.decode_replicas)
 
     def update(self, prefill: list[dict], decode: list[dict]) -> None:
         """A new report from every replica: it includes what was placed before it."""
@@ -122,16 +120,24 @@ class LoadView:
                     self.decode.broadcast("placement_load").results_async(),
                 )
                 self.update(list(prefill), list(decode))
-                await self._tell_spilled()
             except Exception as e:  # noqa: BLE001 - a replica restarting: keep the last view
                 log.debug("placement load poll failed: %r", e)
+            await self._tell_spilled()
             await asyncio.sleep(self.period_s)
 
     async def _tell_spilled(self) -> None:
-        """The prefill replicas' share of the demand spilled to decode replicas, sent
-        while there is some and once when it falls to 0 (a replica also drops a share
-        no ingress refreshes: `SpilledDemand`)."""
-        share = self.spilled_share()
-        if share or self._told:
-            await self.prefill.broadcast("tell_spilled_demand", share).results_async()
-        self._told = share
+        """Every prefill replica is told the whole spilled demand (the policy takes the
+        largest report: no share to go stale when replicas come and go), while there is
+        some and once when it falls to 0; a replica also drops a value no ingress
+        refreshes (`SpilledDemand`). A failure is logged once until a tell succeeds."""
+        tokens = self.spilled_tokens()
+        if not (tokens or self._told):
+            return
+        try:
+            await self.prefill.broadcast("tell_spilled_demand", tokens).results_async()
+        except Exception as e:  # noqa: BLE001 - e.g. a replica of a version without it
+            level = logging.DEBUG if self._tell_failing else logging.WARNING
+            log.log(level, "telling the prefill replicas the spilled demand failed: %r", e)
+            self._tell_failing = True
+            return
+        self._told, self._tell_failing = tokens, False

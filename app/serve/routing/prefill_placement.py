@@ -31,6 +31,11 @@ prefill buys no compute and adds the hand-off's work; app/serve/routing/compute.
 ``local * (1 + local_margin) + local_min_gain_s < remote``. The margins keep small load
 swings (and the ingress's own placements not yet reported done) from flipping
 placements; at equal estimates remote wins, as its chunks reach the store for every replica.
+A prompt placed local as faster that an idle prefill replica would have taken counts as
+``spilled_tokens``: demand for more prefill replicas (the prefill autoscaler counts it:
+app/serve/routing/autoscaling.py). Other local placements do not: a short prompt asks for
+no prefill replica, and where local beats even an idle one, or the two share compute, one
+more replica like those running would not take the prompt.
 The function is pure: the same inputs give the same answer. The loads must include what the
 caller placed since the replicas last reported (as TokenAwareRouter does with ``_sent``),
 or a burst decided on one stale report would all go to one side.
@@ -146,6 +151,9 @@ class Placement:
     ttft_local_s: float
     ttft_remote_s: float  # inf when no prefill replica runs
     reason: str  # one of the reasons above
+    # Local only because of the prefill replicas' queue (an idle one would have taken it):
+    # the tokens it would have computed there, the prefill autoscaler's spilled demand
+    spilled_tokens: int = 0
 
     @property
     def ttft_s(self) -> float:
@@ -158,13 +166,20 @@ class Placement:
         return {"where": self.where, "reason": self.reason}
 
 
-def prefill_demand_tokens(prompt: PromptLoad, config: PlacementConfig) -> int:
-    """The tokens a prompt adds to prefill demand (the autoscaler's prefill signal): its
-    uncached tokens when it is over ``short_prompt_tokens``, on whichever replica computes
-    them; a short prompt never asks for a prefill replica, so it adds none."""
-    if prompt.num_tokens <= config.short_prompt_tokens:
+def spilled_tokens(
+    prompt: PromptLoad, prefill: PrefillLoad, local_s: float, config: PlacementConfig
+) -> int:
+    """A prompt placed local as faster: the tokens it would have had computed remotely if
+    an idle prefill replica would have taken it (the queue alone made local faster: more
+    prefill replicas would serve it), else 0 (local wins anyway: more would not)."""
+    idle = ttft_remote_s(prompt, replace(prefill, queued_tokens=0), config)
+    if _clearly_faster(local_s, idle, config):
         return 0
     return _work(prompt.num_tokens, prompt.cached_remote_tokens)
+
+
+def _clearly_faster(local_s: float, remote_s: float, config: PlacementConfig) -> bool:
+    return local_s * (1 + config.local_margin) + config.local_min_gain_s < remote_s
 
 
 def ttft_local_s(prompt: PromptLoad, decode: DecodeLoad, config: PlacementConfig) -> float:
@@ -211,8 +226,9 @@ def place_prefill(
             return placed("remote", DECODE_ITL_CAP)
     if prefill.shares_compute and config.local_on_shared_compute:
         return placed("local", SHARED_COMPUTE)
-    if local * (1 + config.local_margin) + config.local_min_gain_s < remote:
-        return placed("local", LOCAL_FASTER)
+    if _clearly_faster(local, remote, config):
+        spilled = spilled_tokens(prompt, prefill, local, config)
+        return Placement("local", local, remote, LOCAL_FASTER, spilled)
     return placed("remote", REMOTE_DEFAULT)
 
 

@@ -71,15 +71,16 @@ def test_replicas_report_the_rates_measured_of_their_steps(url):
     assert load["prefill_rate"] > 0 and 0 < load["decode_step_s"] < 10
 
 
-def test_the_prefill_autoscaler_sees_the_demand_the_decode_replica_took(url):
-    """Through Serve: the decode replica's report carries the prefill demand of its local
-    prefills (none left once they are done), and a prefill replica reports the share it
-    is told as its autoscaling input `spilled_prefill_tokens` (the ingress's part, the
-    telling, is tests/serve/test_load_view.py). Seen failing (0.0) with the share left out
-    of `EngineHost.autoscaling_stats`."""
+def test_a_prefill_replica_reports_the_spilled_demand_it_is_told(url):
+    """Through Serve: the decode replica reports `spilled_prefill_tokens` (none left once
+    its local prefills are done), and a prefill replica reports
+    what it is told as its autoscaling input `spilled_prefill_tokens` (the ingress's part,
+    the telling, is tests/serve/test_load_view.py; the whole loop,
+    tests/ops/test_autoscaling_ray.py). Seen failing (0.0) with the told value left out of
+    `EngineHost.autoscaling_stats`."""
     complete(url, prompt_ids(8))  # a long prompt, prefilled on the decode replica
     decode = serve.get_deployment_handle("DecodeServer", "slimserve")
-    assert decode.placement_load.remote().result()["prefill_demand_tokens"] == 0
+    assert decode.placement_load.remote().result()["spilled_prefill_tokens"] == 0
     prefill = serve.get_deployment_handle("PrefillServer", "slimserve")
     prefill.tell_spilled_demand.remote(300).result()
     stats = prefill.record_autoscaling_stats.remote().result()
