@@ -13,6 +13,7 @@ import pytest
 
 from app.serve import metrics
 from app.serve.metrics import SPECS, ReplicaMetrics, prometheus_name, ray_name
+from app.serve.routing.autoscaling import DESIRED_REPLICAS_GAUGE, INPUT_GAUGE
 
 
 class Recorder:
@@ -217,6 +218,7 @@ def test_grafana_dashboard_charts_every_metric():
     exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
     used = set(re.findall(r"ray_slimserve_\w+", " ".join(exprs)))
     exported = {prometheus_name(n) for n in SPECS}
+    exported |= {f"ray_{g}" for g in (DESIRED_REPLICAS_GAUGE, INPUT_GAUGE)}  # the controller's
     suffixes = ("_bucket", "_count", "_sum")
     used_names = {next((u[: -len(s)] for s in suffixes if u.endswith(s)), u) for u in used}
     assert used_names <= exported, used_names - exported  # no typos in the queries

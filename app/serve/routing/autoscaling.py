@@ -45,6 +45,10 @@ NUM_WAITING = "num_waiting"  # sequences admitted but not scheduled (no KV room 
 # as the ingresses last told this prefill replica (the same total to each: `SpilledDemand`)
 SPILLED_PREFILL_TOKENS = "spilled_prefill_tokens"
 
+# The policies' own gauges (Serve's controller sets them; charted in deploy/grafana)
+DESIRED_REPLICAS_GAUGE = "slimserve_autoscaling_desired_replicas"
+INPUT_GAUGE = "slimserve_autoscaling_input"
+
 
 def autoscaling_stats(
     stats: dict[str, Any], inflight_tokens: int, spilled_tokens: int = 0
@@ -110,12 +114,12 @@ class DecisionReport:
         self.last: tuple[int, str] | None = None
         tags = ("application", "deployment")
         self.desired_gauge = Gauge(
-            "slimserve_autoscaling_desired_replicas",
+            DESIRED_REPLICAS_GAUGE,
             "Replicas the slimserve policy wants, before Serve's bounds, factors and delays.",
             tag_keys=tags,
         )
         self.input_gauge = Gauge(
-            "slimserve_autoscaling_input",
+            INPUT_GAUGE,
             "What the slimserve policy's last decision was computed from (input=name).",
             tag_keys=(*tags, "input"),
         )
