@@ -44,7 +44,6 @@ from app.serve.metrics import ReplicaMetrics
 from app.serve.routing.load_view import LoadView
 from app.serve.routing.prefill_placement import (
     PLACEMENTS,
-    SHARES_COMPUTE,
     TTFT_ESTIMATE,
     PlacementConfig,
     PromptLoad,
@@ -187,7 +186,6 @@ class RequestDriver:
         view.placed(placement.where, n)
         self.metrics.inc(PLACEMENTS, 1, **placement.labels)
         self.metrics.observe(TTFT_ESTIMATE, placement.ttft_s, where=placement.where)
-        self.metrics.set(SHARES_COMPUTE, int(prefill.shares_compute))
         if placement.where == "remote":
             return None
         return DecodeRequest(gen, None, gen.routing, spilled_tokens=placement.spilled_tokens)

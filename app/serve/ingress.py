@@ -74,7 +74,7 @@ class Ingress(GrpcIngress):  # gRPC adapter: app/serve/grpc_api/grpc_servicer.py
         local = self.args.local_prefill_tokens if prefill is not None else 0
         view = config = None
         if prefill is not None:  # disaggregated: each prefill placed by load
-            view = LoadView(prefill, decode, self.args.routing_stats_period_s)
+            view = LoadView(prefill, decode, self.args.routing_stats_period_s, metrics)
             config = PlacementConfig.from_args(self.args)
         self.driver = RequestDriver(
             metrics, prefill, decode, engine, hints, hand_offs=hand_offs,

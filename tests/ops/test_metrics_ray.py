@@ -139,10 +139,30 @@ def test_metrics_endpoint_shows_every_metric_with_sane_values(ray_session, check
         # Under one 32-token chunk: prefilled on the decode replica (local_prefill_max_tokens)
         short = [[int(t) for t in rng.integers(3, 300, 20)] for _ in range(3)]
         usage["local"] = len(short)
+        # ... once the ingress has seen its KV free again: a report from while the last
+        # prompt held 7 of its 8 blocks sends a short prompt remote (decode_kv_full; seen:
+        # local prefills, or with fewer local sequences the preemptions, never came)
+        decode_kv_free_again(args["routing_stats_period_s"])
         with concurrent.futures.ThreadPoolExecutor(3) as pool:
             list(pool.map(lambda p: complete(url, p, 60), short))  # decode KV runs out
         samples = wait_for_all(port, usage, baseline, live_replicas())
     check(samples, usage)
+
+
+def decode_kv_free_again(period_s: float, timeout_s: float = 30) -> None:
+    """Waits until the decode replica reports every KV block free (or cached), then for
+    two of the ingress's load polls."""
+    from ray import serve
+
+    decode = serve.get_deployment_handle("DecodeServer", "slimserve")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        s = decode.stats.remote().result(timeout_s=30)
+        if s["kv_blocks_free"] == s["kv_blocks_total"]:
+            break
+        assert time.monotonic() < deadline, f"decode KV still in use: {s}"
+        time.sleep(0.1)
+    time.sleep(2 * period_s)
 
 
 def wait_for_all(

@@ -12,7 +12,12 @@ from app.serve.messages import GenerateRequest, RoutingInfo
 from app.serve.metrics import ReplicaMetrics
 from app.serve.routing.compute import Compute
 from app.serve.routing.load_view import LoadView
-from app.serve.routing.prefill_placement import PLACEMENTS, TTFT_ESTIMATE, PlacementConfig
+from app.serve.routing.prefill_placement import (
+    PLACEMENTS,
+    SHARES_COMPUTE,
+    TTFT_ESTIMATE,
+    PlacementConfig,
+)
 from serve.test_driver import FakeBox, FakeHandle
 
 
@@ -49,6 +54,28 @@ def test_shared_compute_is_judged_between_the_chosen_replicas():
     assert not view.prefill_load().shares_compute
     view.update([report(0)], [report(0, compute=here)])  # not reported: not shared
     assert not view.prefill_load().shares_compute
+
+
+def test_the_shared_compute_gauge_is_set_with_every_report():
+    """Set at each report, not only at a placement: Ray drops a gauge not set for two
+    export intervals, so one set per decision vanished while no long prompt came (seen:
+    tests/ops/test_metrics_ray.py missing it). Seen failing (nothing set) with the gauge
+    set only by the driver's decisions."""
+    here = Compute("a", (), (0, 1), 2)
+
+    class Gauges:
+        def __init__(self):
+            self.values = []
+
+        def set(self, name, value, **tags):
+            self.values.append((name, value))
+
+    gauges = Gauges()
+    view = LoadView(None, None, period_s=1.0, metrics=gauges)
+    view.update([report(0)], [])  # no decode replica reported: nothing known
+    view.update([report(0, compute=here)], [report(0, compute=here)])
+    view.update([report(0)], [report(0, compute=here)])
+    assert gauges.values == [(SHARES_COMPUTE, 1), (SHARES_COMPUTE, 0)]
 
 
 def test_the_chosen_replicas_measured_rates_reach_the_policy():

@@ -21,11 +21,20 @@ import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ray.serve.handle import DeploymentHandle
 
 from app.serve.routing.compute import Compute, shares_compute
-from app.serve.routing.prefill_placement import DecodeLoad, PrefillLoad, measured
+from app.serve.routing.prefill_placement import (
+    SHARES_COMPUTE,
+    DecodeLoad,
+    PrefillLoad,
+    measured,
+)
+
+if TYPE_CHECKING:
+    from app.serve.metrics import ReplicaMetrics
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +67,15 @@ class ReplicaLoad:
 
 
 class LoadView:
-    def __init__(self, prefill: DeploymentHandle, decode: DeploymentHandle, period_s: float):
+    def __init__(
+        self,
+        prefill: DeploymentHandle,
+        decode: DeploymentHandle,
+        period_s: float,
+        metrics: ReplicaMetrics | None = None,
+    ):
         self.prefill, self.decode, self.period_s = prefill, decode, period_s
+        self.metrics = metrics  # the ingress's: SHARES_COMPUTE, refreshed every report
         self.prefill_replicas: list[ReplicaLoad] = []
         self.decode_replicas: list[ReplicaLoad] = []
         self._placed = {"local": 0, "remote": 0}  # prompt tokens placed since the report
@@ -111,6 +127,10 @@ class LoadView:
         self.prefill_replicas = [ReplicaLoad.from_report(r) for r in prefill]
         self.decode_replicas = [ReplicaLoad.from_report(r) for r in decode]
         self._placed = {"local": 0, "remote": 0}
+        if self.metrics is not None and self.known:
+            # set with every report, not only at a placement: Ray drops a gauge not set
+            # for two export intervals, and this one describes the replicas, not a request
+            self.metrics.set(SHARES_COMPUTE, int(self.prefill_load().shares_compute))
 
     async def _poll(self) -> None:
         while True:
