@@ -101,7 +101,7 @@ class Broadcasting:
     """A deployment handle's `broadcast`: `placement_load` answers each replica's report
     in turn; other methods are recorded with their arguments, and fail while ``failing``."""
 
-    def __init__(self, reports: list[list[dict]]):
+    def __init__(self, reports: list[list[dict] | Exception]):
         self.reports, self.told, self.failing = reports, [], 0
 
     def broadcast(self, method: str, *args):
@@ -123,9 +123,10 @@ class Broadcasting:
         return Response()
 
 
-def polled(decode_reports: list[list[dict]], failing: int = 0) -> Broadcasting:
-    """Runs a LoadView's poll loop over the decode reports (then some more polls of the
-    last); -> the prefill deployment's handle, with what it was told."""
+def polled(decode_reports: list, failing: int = 0) -> Broadcasting:
+    """Runs a LoadView's poll loop over the decode reports (an exception: that poll
+    fails), then some more polls of the last; -> the prefill deployment's handle, with
+    what it was told."""
     import asyncio
 
     prefill = Broadcasting([[report(0), report(0)]])
@@ -157,6 +158,15 @@ def test_the_demand_decode_replicas_took_is_told_to_every_prefill_replica():
         [report(0)],  # a replica of a version that does not report it
     ])  # fmt: skip
     assert prefill.told == [("tell_spilled_demand", 1000), ("tell_spilled_demand", 0)]
+
+
+def test_a_stale_total_is_not_told_again_while_the_polls_fail():
+    """A decode replica that died holding spilled requests must not keep the prefill
+    replicas' value alive: after a failed poll nothing is told (their TTL then drops it).
+    Seen failing (700 told on every poll) with the tell outside the poll's success."""
+    gone = RuntimeError("the decode replica is restarting")
+    prefill = polled([[report(700, spilled_prefill_tokens=700)], gone])
+    assert prefill.told == [("tell_spilled_demand", 700)]
 
 
 def test_a_failed_tell_is_logged_once_and_tried_again(caplog):

@@ -51,8 +51,8 @@ class EngineReplica:
         return self.host.placement_load()
 
     def tell_spilled_demand(self, tokens: int) -> None:
-        """A prefill replica's share of the prefill demand on decode replicas, from each
-        ingress every routing period (app/serve/routing/load_view.py)."""
+        """The decode replicas' whole spilled prefill demand, told to a prefill replica by
+        each ingress every routing period (app/serve/routing/load_view.py)."""
         self.host.spilled_demand.tell(tokens)
 
     def record_autoscaling_stats(self) -> dict[str, float]:

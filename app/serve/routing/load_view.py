@@ -2,9 +2,9 @@
 policy (app/serve/routing/prefill_placement.py): every ``period_s`` each deployment's replicas are
 asked for their `placement_load()` with Serve's `broadcast` (a public handle API), and
 what this ingress placed since is added on top, so a burst decided between two reports
-does not all land on one side. It also passes on to the prefill replicas the prefill demand
-the decode replicas took (long prompts placed locally), so that the prefill autoscaler
-counts it (app/serve/routing/autoscaling.py).
+does not all land on one side. It also tells the prefill replicas the prompt tokens the
+decode replicas prefill only because the prefill queue was long (spilled demand), so that
+the prefill autoscaler counts them (app/serve/routing/autoscaling.py).
 
 The prefill side is its least-loaded replica (where the token-aware router sends a prompt);
 the decode side is the decode replica with the most KV headroom (where the router sends
@@ -142,7 +142,8 @@ class LoadView:
                 self.update(list(prefill), list(decode))
             except Exception as e:  # noqa: BLE001 - a replica restarting: keep the last view
                 log.debug("placement load poll failed: %r", e)
-            await self._tell_spilled()
+            else:  # a fresh total only: a repeated stale one would never let the TTL run out
+                await self._tell_spilled()
             await asyncio.sleep(self.period_s)
 
     async def _tell_spilled(self) -> None:
