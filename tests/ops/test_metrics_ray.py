@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
+import sys
 import time
 
 import httpx
@@ -14,6 +16,9 @@ from serve.apps import running_app, tiny_serve_args
 
 from app.serve.metrics import COST_POLICY_METRICS, SPECS, prometheus_name
 from bench.common import scrape_slimserve as scrape
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "grpc"))
+from grpc_app import wait_until_idle  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 # Its own store: a shard of the shared name that an earlier test just killed can still be
@@ -149,20 +154,13 @@ def test_metrics_endpoint_shows_every_metric_with_sane_values(ray_session, check
     check(samples, usage)
 
 
-def decode_kv_free_again(period_s: float, timeout_s: float = 30) -> None:
-    """Waits until the decode replica reports every KV block free (or cached), then long
-    enough for the ingress's load polls (every ``period_s``) to have read that, on a busy
-    box too."""
+def decode_kv_free_again(period_s: float) -> None:
+    """Waits until the decode replica is idle with every KV block free (or cached), then
+    long enough for the ingress's load polls (every ``period_s``) to have read that, on a
+    busy box too."""
     from ray import serve
 
-    decode = serve.get_deployment_handle("DecodeServer", "slimserve")
-    deadline = time.monotonic() + timeout_s
-    while True:
-        s = decode.stats.remote().result(timeout_s=30)
-        if s["kv_blocks_free"] == s["kv_blocks_total"]:
-            break
-        assert time.monotonic() < deadline, f"decode KV still in use: {s}"
-        time.sleep(0.1)
+    wait_until_idle(serve.get_deployment_handle("DecodeServer", "slimserve"))
     time.sleep(5 * period_s + 1.0)
 
 
