@@ -204,8 +204,8 @@ def place_prefill(
     local = ttft_local_s(prompt, decode, config)
     remote = ttft_remote_s(prompt, prefill, config)
 
-    def placed(where: Literal["local", "remote"], reason: str) -> Placement:
-        return Placement(where, local, remote, reason)
+    def placed(where: Literal["local", "remote"], reason: str, spilled: int = 0) -> Placement:
+        return Placement(where, local, remote, reason, spilled)
 
     if prefill.num_replicas == 0:
         return placed("local", NO_PREFILL_REPLICA)
@@ -227,8 +227,7 @@ def place_prefill(
     if prefill.shares_compute and config.local_on_shared_compute:
         return placed("local", SHARED_COMPUTE)
     if _clearly_faster(local, remote, config):
-        spilled = spilled_tokens(prompt, prefill, local, config)
-        return Placement("local", local, remote, LOCAL_FASTER, spilled)
+        return placed("local", LOCAL_FASTER, spilled_tokens(prompt, prefill, local, config))
     return placed("remote", REMOTE_DEFAULT)
 
 
