@@ -31,10 +31,6 @@ from app.serve.routing.prefill_placement import (
 
 log = logging.getLogger(__name__)
 _RECENT_KEYS = 2048  # chunk keys a replica advertises for prefix affinity
-# A told spilled prefill demand counts for this many routing periods, and at least this
-# long: missed tells (polls slow down under the load that spills) keep it, ingresses gone
-# for longer drop it
-SPILLED_TTL_PERIODS, SPILLED_TTL_MIN_S = 4, 5.0
 
 
 def resolve_model(model: str | None) -> str:
@@ -79,8 +75,7 @@ class EngineHost:
         # ... of them, the tokens taken from busy prefill replicas (DecodeRequest)
         self.spilled_prefill_tokens = 0
         # prefill: the decode replicas' spilled tokens, told by the ingresses
-        ttl_s = max(SPILLED_TTL_MIN_S, SPILLED_TTL_PERIODS * args.routing_stats_period_s)
-        self.spilled_demand = SpilledDemand(ttl_s)
+        self.spilled_demand = SpilledDemand.for_period(args.routing_stats_period_s)
         self.role = role
         self._recent: OrderedDict[int, None] = OrderedDict()
         model = model_label(args.served_model_name, self.engine.config.model)

@@ -44,6 +44,7 @@ NUM_WAITING = "num_waiting"  # sequences admitted but not scheduled (no KV room 
 # prompt tokens prefilled on decode replicas only because the prefill replicas were busy,
 # as the ingresses last told this prefill replica (the same total to each: `SpilledDemand`)
 SPILLED_PREFILL_TOKENS = "spilled_prefill_tokens"
+SPILLED_TTL_PERIODS, SPILLED_TTL_MIN_S = 4, 5.0  # how long a told value counts (SpilledDemand)
 
 # The policies' own gauges (Serve's controller sets them; charted in deploy/grafana)
 DESIRED_REPLICAS_GAUGE = "slimserve_autoscaling_desired_replicas"
@@ -78,6 +79,13 @@ class SpilledDemand:
         assert ttl_s > 0
         self.ttl_s, self.clock = ttl_s, clock
         self._tokens, self._at = 0, -math.inf
+
+    @classmethod
+    def for_period(cls, routing_period_s: float) -> SpilledDemand:
+        """Kept for SPILLED_TTL_PERIODS of the ingresses' routing period, and at least
+        SPILLED_TTL_MIN_S: missed tells (polls slow down under the load that spills) keep
+        it, ingresses gone for longer drop it."""
+        return cls(max(SPILLED_TTL_MIN_S, SPILLED_TTL_PERIODS * routing_period_s))
 
     def tell(self, tokens: int) -> None:
         self._tokens, self._at = max(0, int(tokens)), self.clock()
