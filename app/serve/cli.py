@@ -210,11 +210,10 @@ def run(args: argparse.Namespace) -> int:
     )
     # Printed before the app deploys: the dashboard shows it starting (model loading included).
     if args.dashboard:
-        print(f"slimserve: Ray dashboard on http://{ctx.dashboard_url}/#/serve")
-        print(f"slimserve: dashboard {dashboard_sign_in()}")
+        say(f"Ray dashboard on http://{ctx.dashboard_url}/#/serve")
+        say(f"dashboard {dashboard_sign_in()}")
     logs = os.path.join(ctx.address_info["session_dir"], "logs")
-    print(f"slimserve: Ray logs in {logs} (autoscaling decisions: serve/controller_*.log)")
-    sys.stdout.flush()
+    say(f"Ray logs in {logs} (autoscaling decisions: serve/controller_*.log)")
     prometheus = None
     try:
         if args.metrics:
@@ -227,14 +226,13 @@ def run(args: argparse.Namespace) -> int:
             grpc_options=grpc if args.grpc_port else None,
         )
         deploy(app)
-        print(f"slimserve: OpenAI API on http://{args.host}:{args.port}/v1 (Ctrl-C stops)")
-        print(f"slimserve: proxy {args.proxy}")
+        say(f"OpenAI API on http://{args.host}:{args.port}/v1 (Ctrl-C stops)")
+        say(f"proxy {args.proxy}")
         if args.grpc_port:
-            print(f"slimserve: gRPC API (slimserve.v1.Generation) on port {args.grpc_port}")
+            say(f"gRPC API (slimserve.v1.Generation) on port {args.grpc_port}")
         if prometheus is not None:
-            print(f"slimserve: Prometheus on {prometheus.url} (scraping this Ray)")
-            print(f"slimserve: slimserve panels on {prometheus.console_url}")
-        sys.stdout.flush()
+            say(f"Prometheus on {prometheus.url} (scraping this Ray)")
+            say(f"slimserve panels on {prometheus.console_url}")
         stop = threading.Event()
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
         with contextlib.suppress(KeyboardInterrupt):
@@ -247,3 +245,11 @@ def run(args: argparse.Namespace) -> int:
             if prometheus is not None:
                 prometheus.stop()
     return 0
+
+
+def say(line: str) -> None:
+    """One ``slimserve: ...`` line, written whole and flushed: ``print`` writes the text and
+    its newline apart, and Ray's log thread in this process could write a replica's line
+    between them (seen: a test read the panels URL with a replica's log glued on)."""
+    sys.stdout.write(f"slimserve: {line}\n")
+    sys.stdout.flush()
