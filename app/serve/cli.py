@@ -187,12 +187,28 @@ def dashboard_port(args: argparse.Namespace) -> int:
             return s.getsockname()[1]
 
 
+def busy_ports(args: argparse.Namespace) -> str | None:
+    """Why the fixed ports this server needs are not free, or None (app/serve/ports.py);
+    asked before Ray starts, after the proxy switch is set."""
+    from app.serve.ports import PortsInUse, check_free, listeners
+
+    try:
+        check_free(listeners(args.host, args.port, args.grpc_port, args.proxy == "haproxy"))
+    except PortsInUse as e:
+        return str(e)
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     use_proxy(args.proxy)
     import ray
     from ray import serve
 
     app = application(args)
+    busy = busy_ports(args)
+    if busy:
+        sys.stderr.write(f"slimserve: {busy}\n")
+        return 1
     prometheus_binary = None
     if args.metrics:  # checked before Ray starts; the dashboard reads the host at its start
         from app.serve.metrics_stack import PROMETHEUS_HOST_ENV, find_prometheus
