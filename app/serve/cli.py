@@ -13,6 +13,8 @@ import time
 
 import yaml
 
+from app.serve.reaper import WATCH_PERIOD_S, HAProxyWatch
+
 GRPC_SERVICERS = "app.serve.grpc_api.grpc_servicer.add_slimserve_grpc_servicers"
 # Who answers on --port / --grpc-port (docs/serving.md "Proxy"): HAProxy forwarding to the
 # Ingress replicas' own HTTP and gRPC servers (Serve's direct ingress), or Serve's Python
@@ -230,7 +232,7 @@ def run(args: argparse.Namespace) -> int:
         say(f"dashboard {dashboard_sign_in()}")
     logs = os.path.join(ctx.address_info["session_dir"], "logs")
     say(f"Ray logs in {logs} (autoscaling decisions: serve/controller_*.log)")
-    prometheus = None
+    prometheus, proxies = None, HAProxyWatch()
     try:
         if args.metrics:
             from app.serve.metrics_stack import Prometheus, ray_metrics_targets
@@ -252,8 +254,10 @@ def run(args: argparse.Namespace) -> int:
         stop = threading.Event()
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
         with contextlib.suppress(KeyboardInterrupt):
-            stop.wait()
+            while not stop.wait(WATCH_PERIOD_S):
+                proxies.update()
     finally:
+        proxies.stop()  # first, as Serve's shutdown would (app/serve/reaper.py)
         try:
             serve.shutdown()
             ray.shutdown()

@@ -77,9 +77,12 @@ def _env(tmp: str) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def cli_server(args: dict, proxy: str, dashboard: bool = False) -> Iterator[CliServer]:
-    """`slimserve serve --config <args> --proxy <proxy>` on free ports; stopped (SIGTERM,
-    as Ctrl-C would) after, with every process of its tree gone."""
+def cli_server(
+    args: dict, proxy: str, dashboard: bool = False, group_stop: bool = False
+) -> Iterator[CliServer]:
+    """`slimserve serve --config <args> --proxy <proxy>` on free ports; stopped after with
+    SIGTERM (to the CLI; ``group_stop``: to its whole process group, as `timeout` stops a
+    command), with every process of its tree gone."""
     tmp = tempfile.mkdtemp(prefix="slimserve-cli-")
     http_port, grpc_port = free_port(), free_port()
     config = os.path.join(tmp, "serve.yaml")
@@ -108,7 +111,7 @@ def cli_server(args: dict, proxy: str, dashboard: bool = False) -> Iterator[CliS
         yield server
     finally:
         channel.close()
-        _stop(proc, log_path)
+        _stop(proc, log_path, group_stop)
         shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -126,9 +129,12 @@ def _wait_ready(proc: subprocess.Popen, server: CliServer) -> None:
         time.sleep(1)
 
 
-def _stop(proc: subprocess.Popen, log_path: str) -> None:
+def _stop(proc: subprocess.Popen, log_path: str, group: bool) -> None:
     tree = psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else []
-    proc.send_signal(signal.SIGTERM)
+    if group:  # the CLI's session: the GCS and raylet share its group, workers do not
+        os.killpg(proc.pid, signal.SIGTERM)
+    else:
+        proc.send_signal(signal.SIGTERM)
     try:
         proc.wait(timeout=STOP_S)
     except subprocess.TimeoutExpired:
@@ -137,9 +143,17 @@ def _stop(proc: subprocess.Popen, log_path: str) -> None:
         raise AssertionError(f"slimserve serve ignored SIGTERM: {_tail(log_path)}") from None
     _, alive = psutil.wait_procs(tree, timeout=30)
     left = [p for p in alive if _running(p)]
-    if left:
-        os.killpg(proc.pid, signal.SIGKILL)
-    assert not left, f"outlived slimserve serve: {[p.pid for p in left]}"
+    for p in left:  # this test's tree, not necessarily its group (actors have their own)
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    assert not left, f"outlived slimserve serve: {[(p.pid, _name(p)) for p in left]}"
+
+
+def _name(p: psutil.Process) -> str:
+    try:
+        return " ".join(p.cmdline())[:100]
+    except psutil.Error:
+        return "?"
 
 
 def _running(p: psutil.Process) -> bool:

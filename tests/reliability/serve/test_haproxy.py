@@ -36,7 +36,9 @@ CROWD, CROWD_WORKERS = 36, 6
 @pytest.fixture(scope="module", params=["haproxy", pytest.param("serve", marks=pytest.mark.long)])
 def server(request, long_model):
     args = tiny_serve_args(long_model, mode="colocated", engine={"dtype": "float32"})
-    with cli_server(args, request.param) as s:
+    # stopped as `timeout` stops a command: HAProxy, whose actor dies with the group's
+    # raylet, must not outlive it (app/serve/reaper.py)
+    with cli_server(args, request.param, group_stop=True) as s:
         s.proxy = request.param
         yield s
 
