@@ -11,6 +11,8 @@ So the CLI keeps a list of the HAProxy processes below it while it serves (`HAPr
 updated every second; HAProxy is restarted on each backend change) and kills them before
 Serve's shutdown, as that shutdown would. A reload in the last second before the signal
 can still escape. `tests/reliability/serve/test_haproxy.py` stops its server this way.
+A walk of the process tree costs ~2 ms of CPU with 80 processes on the machine (0.2% of
+a core at one a second).
 """
 
 from __future__ import annotations
