@@ -1,11 +1,12 @@
 """HAProxyWatch (app/serve/reaper.py): an HAProxy recorded while it was below `slimserve
 serve` is killed at exit even after its parent died and left it to init; nothing else is.
-A `sleep` run through a symlink named `haproxy` stands in for it (no Ray here; the real
-case, a server stopped with its whole process group, is tests/reliability/serve/
-test_haproxy.py)."""
+A `sleep` run through a symlink of a name of this test's own stands in for it (other tests'
+servers may run real HAProxies below this process; no Ray here: the real case, a server
+stopped with its whole process group, is tests/reliability/serve/test_haproxy.py)."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 
@@ -33,10 +34,11 @@ def gone(pid: int) -> bool:
 def test_an_orphaned_haproxy_is_killed_and_others_are_left(tmp_path):
     """Seen failing with stop() killing only what is below this process at exit: the
     orphan lived on."""
-    sh, proxy = grandchild(tmp_path, "haproxy")
-    other_sh, other = grandchild(tmp_path, "not-haproxy")
+    name = f"hap{os.getpid() % 100000}"  # process names keep 15 characters
+    sh, proxy = grandchild(tmp_path, name)
+    other_sh, other = grandchild(tmp_path, name + "x")
     try:
-        watch = HAProxyWatch()
+        watch = HAProxyWatch(name)
         watch.update()
         sh.kill()
         sh.wait()  # the proxy is orphaned: no longer below this process

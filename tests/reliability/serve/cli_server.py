@@ -129,7 +129,7 @@ def _wait_ready(proc: subprocess.Popen, server: CliServer) -> None:
         time.sleep(1)
 
 
-def _stop(proc: subprocess.Popen, log_path: str, group: bool) -> None:
+def _stop(proc: subprocess.Popen, log_path: str, group: bool = False) -> None:
     tree = psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else []
     if group:  # the CLI's session: the GCS and raylet share its group, workers do not
         os.killpg(proc.pid, signal.SIGTERM)
