@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+from reliability.serve.cli_server import free_port
 
 from app.serve.ports import ALL_INTERFACES, Listener, PortsInUse, check_free, listeners
 
@@ -22,12 +23,6 @@ def held(host: str = "127.0.0.1") -> socket.socket:
     s.bind((host, 0))
     s.listen()
     return s
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_a_held_port_is_named_with_its_option_and_holder():
