@@ -45,10 +45,10 @@ class HAProxyWatch:
             with contextlib.suppress(psutil.Error):
                 if proc.is_running():
                     proc.kill()
-                    killed.append(proc.pid)
-        psutil.wait_procs([p for p in self._seen.values() if p.pid in killed], timeout=5)
+                    killed.append(proc)
+        psutil.wait_procs(killed, timeout=5)
         self._seen.clear()
-        return killed
+        return [p.pid for p in killed]
 
 
 def _name(proc: psutil.Process) -> str:
