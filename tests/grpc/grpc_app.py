@@ -7,22 +7,16 @@ package named `grpc` there would shadow the real grpc package.
 from __future__ import annotations
 
 import contextlib
-import socket
 import time
 
 import grpc
+from loopback import free_port
 from serve_stop import stop_serve
 
 from app.serve.grpc_api.grpc_gen.slimserve.v1 import generation_pb2 as pb
 from app.serve.grpc_api.grpc_gen.slimserve.v1 import generation_pb2_grpc
 
 SERVICER = "app.serve.grpc_api.grpc_servicer.add_slimserve_grpc_servicers"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

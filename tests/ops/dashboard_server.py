@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import httpx
 import yaml
-from reliability.serve.cli_server import _env, _stop, _tail, free_port
+from loopback import free_port
+from reliability.serve.cli_server import _env, _stop, _tail
 
 READY_S = 300.0
 DASHBOARD_LINE = re.compile(r"slimserve: Ray dashboard on (http://\S+)")

@@ -10,7 +10,7 @@ import sys
 import time
 
 import pytest
-from reliability.serve.cli_server import free_port
+from loopback import free_port
 
 from app.serve.ports import ALL_INTERFACES, Listener, PortsInUse, check_free, listeners
 

@@ -3,19 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-import socket
 import time
 
+from loopback import free_port
 
-def _free_port() -> int:
-    # One port per test process (Serve's HTTP options are fixed for its lifetime), so
-    # several test runs on one machine never answer each other's requests.
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-PORT = _free_port()
+# One port per test process (Serve's HTTP options are fixed for its lifetime), so several
+# test runs on one machine never answer each other's requests.
+PORT = free_port()
 
 
 def tiny_serve_args(model: str, **overrides) -> dict:

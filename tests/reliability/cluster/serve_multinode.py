@@ -61,7 +61,7 @@ def pinned_app(cfg: ServeArgs) -> serve.Application:
 
 
 def start(model: str):
-    from grpc_app import free_port
+    from loopback import free_port
     from serve.apps import tiny_serve_args
 
     http_port, grpc_port = free_port(), free_port()

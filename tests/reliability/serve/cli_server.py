@@ -13,7 +13,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,18 +24,13 @@ import grpc
 import httpx
 import psutil
 import yaml
+from loopback import free_port
 
 from app.serve.grpc_api.grpc_gen.slimserve.v1 import generation_pb2 as pb
 from app.serve.grpc_api.grpc_gen.slimserve.v1 import generation_pb2_grpc
 
 TESTS = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 READY_S, STOP_S = 300.0, 150.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -1,0 +1,12 @@
+"""A free loopback port, for the servers tests start (several test runs on one machine
+never meet on a fixed port)."""
+
+from __future__ import annotations
+
+import socket
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
