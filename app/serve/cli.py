@@ -8,12 +8,11 @@ import os
 import signal
 import socket
 import sys
-import threading
 import time
 
 import yaml
 
-from app.serve.reaper import WATCH_PERIOD_S, HAProxyWatch
+from app.serve.reaper import WATCH_PERIOD_S, HAProxyWatch, LocalHead, unless_lost
 
 GRPC_SERVICERS = "app.serve.grpc_api.grpc_servicer.add_slimserve_grpc_servicers"
 # Who answers on --port / --grpc-port (docs/serving.md "Proxy"): HAProxy forwarding to the
@@ -32,6 +31,8 @@ AUTH_MODE_ENV, AUTH_TOKEN_ENV, AUTH_TOKEN_PATH_ENV = (
 DASHBOARD_PORT = 8265
 METRICS_PORT = 9090
 APP_NAME = "slimserve"
+# Said at exit where the local Ray's head died first (app/serve/reaper.py, LocalHead)
+RAY_GONE = "Ray's GCS or raylet had already exited"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -232,39 +233,58 @@ def run(args: argparse.Namespace) -> int:
         say(f"dashboard {dashboard_sign_in()}")
     logs = os.path.join(ctx.address_info["session_dir"], "logs")
     say(f"Ray logs in {logs} (autoscaling decisions: serve/controller_*.log)")
-    prometheus, proxies = None, HAProxyWatch()
+    prometheus, proxies, head = None, HAProxyWatch(), LocalHead()
+    signal.signal(signal.SIGTERM, _stopped)  # replaces the handler ray.init installed
     try:
-        if args.metrics:
-            from app.serve.metrics_stack import Prometheus, ray_metrics_targets
+        with contextlib.suppress(KeyboardInterrupt, Stopped):
+            if args.metrics:
+                from app.serve.metrics_stack import Prometheus, ray_metrics_targets
 
-            prometheus = Prometheus(args.metrics_port, ray_metrics_targets(), prometheus_binary)
-        grpc = {"port": args.grpc_port, "grpc_servicer_functions": [GRPC_SERVICERS]}
-        serve.start(
-            http_options={"host": args.host, "port": args.port},
-            grpc_options=grpc if args.grpc_port else None,
-        )
-        deploy(app)
-        say(f"OpenAI API on http://{args.host}:{args.port}/v1 (Ctrl-C stops)")
-        say(f"proxy {args.proxy}")
-        if args.grpc_port:
-            say(f"gRPC API (slimserve.v1.Generation) on port {args.grpc_port}")
-        if prometheus is not None:
-            say(f"Prometheus on {prometheus.url} (scraping this Ray)")
-            say(f"slimserve panels on {prometheus.console_url}")
-        stop = threading.Event()
-        signal.signal(signal.SIGTERM, lambda *_: stop.set())
-        with contextlib.suppress(KeyboardInterrupt):
-            while not stop.wait(WATCH_PERIOD_S):
+                metrics = ray_metrics_targets()
+                prometheus = Prometheus(args.metrics_port, metrics, prometheus_binary)
+            grpc = {"port": args.grpc_port, "grpc_servicer_functions": [GRPC_SERVICERS]}
+            serve.start(
+                http_options={"host": args.host, "port": args.port},
+                grpc_options=grpc if args.grpc_port else None,
+            )
+            deploy(app)
+            say(f"OpenAI API on http://{args.host}:{args.port}/v1 (Ctrl-C stops)")
+            say(f"proxy {args.proxy}")
+            if args.grpc_port:
+                say(f"gRPC API (slimserve.v1.Generation) on port {args.grpc_port}")
+            if prometheus is not None:
+                say(f"Prometheus on {prometheus.url} (scraping this Ray)")
+                say(f"slimserve panels on {prometheus.console_url}")
+            while True:
+                time.sleep(WATCH_PERIOD_S)
                 proxies.update()
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut it short
         proxies.stop()  # first, as Serve's shutdown would (app/serve/reaper.py)
+        ray_gone = False
         try:
-            serve.shutdown()
-            ray.shutdown()
+            ray_gone = not unless_lost(head, serve.shutdown)
+            if not ray_gone:
+                ray.shutdown()
         finally:
             if prometheus is not None:
                 prometheus.stop()
+        if ray_gone:
+            say(f"{RAY_GONE} (its process group was signalled): no shutdown left to run")
+            sys.stderr.flush()
+            os._exit(0)  # Ray's exit hook would ask the dead GCS for ~8 s
     return 0
+
+
+class Stopped(Exception):
+    """SIGTERM, raised on the main thread wherever it is, starting up or serving: the CLI
+    then shuts down as on Ctrl-C. Ray's own handler, which ray.init installs, aborts the
+    process with nothing shut down (seen: HAProxy outlived a server stopped while its app
+    was still deploying, its Ingress already answering)."""
+
+
+def _stopped(*_) -> None:
+    raise Stopped
 
 
 def say(line: str) -> None:

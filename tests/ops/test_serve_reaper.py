@@ -1,18 +1,22 @@
-"""HAProxyWatch (app/serve/reaper.py): an HAProxy recorded while it was below `slimserve
+"""app/serve/reaper.py. HAProxyWatch: an HAProxy recorded while it was below `slimserve
 serve` is killed at exit even after its parent died and left it to init; nothing else is.
-A `sleep` run through a symlink of a name of this test's own stands in for it (other tests'
-servers may run real HAProxies below this process; no Ray here: the real case, a server
-stopped with its whole process group, is tests/reliability/serve/test_haproxy.py)."""
+LocalHead: the CLI's own Ray head is lost once one of its processes exits. A `sleep` run
+through a symlink of a name of this test's own stands in for each (other tests' servers may
+run real HAProxies below this process; no Ray here: the real case, a server stopped with its
+whole process group, is tests/reliability/serve/test_haproxy.py)."""
 
 from __future__ import annotations
 
 import os
 import shutil
 import subprocess
+import threading
+import time
 
 import psutil
+import pytest
 
-from app.serve.reaper import HAProxyWatch
+from app.serve.reaper import HAProxyWatch, LocalHead, unless_lost
 
 
 def grandchild(tmp_path, name: str) -> tuple[subprocess.Popen, int]:
@@ -53,3 +57,39 @@ def test_an_orphaned_haproxy_is_killed_and_others_are_left(tmp_path):
                 psutil.Process(pid).kill()
         other_sh.kill()
         other_sh.wait()
+
+
+@pytest.fixture
+def head(tmp_path):
+    """Two stand-ins for a GCS and a raylet, children of this process, and their LocalHead."""
+    name = f"head{os.getpid() % 100000}"
+    link = tmp_path / name
+    link.symlink_to(shutil.which("sleep"))
+    procs = [subprocess.Popen([str(link), "60"]) for _ in range(2)]
+    yield LocalHead((name,)), procs
+    for p in procs:
+        p.kill()
+        p.wait()
+
+
+def test_the_head_is_lost_once_one_of_its_processes_exits(head):
+    """Seen failing with lost() asking for every process gone (one died, the other ran)."""
+    head, (gcs, raylet) = head
+    assert not LocalHead(("nothing-here",)).lost(grace_s=0.1)  # none: not this CLI's Ray
+    assert sorted(p.pid for p in head.procs) == sorted([gcs.pid, raylet.pid])
+    assert not head.lost(grace_s=0.2)
+    gcs.kill()
+    assert head.lost(grace_s=0.2)
+
+
+def test_a_step_is_left_once_the_head_is_lost_and_awaited_while_it_lives(head):
+    """Seen failing with unless_lost() joining the step without watching the head (it
+    awaited the blocked step's end and said True)."""
+    head, (gcs, _) = head
+    assert unless_lost(head, lambda: time.sleep(0.5), poll_s=0.05)
+    with pytest.raises(ZeroDivisionError):
+        unless_lost(head, lambda: 1 / 0, poll_s=0.05)
+    blocked = threading.Event()  # a shutdown asking a dead GCS (Ray gives up after ~30 s)
+    threading.Timer(0.3, gcs.kill).start()
+    assert not unless_lost(head, lambda: blocked.wait(30), poll_s=0.05)
+    blocked.set()

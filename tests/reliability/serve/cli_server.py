@@ -26,8 +26,10 @@ import psutil
 import yaml
 from loopback import free_port
 
+from app.serve.cli import RAY_GONE
 from app.serve.grpc_api.grpc_gen.slimserve.v1 import generation_pb2 as pb
 from app.serve.grpc_api.grpc_gen.slimserve.v1 import generation_pb2_grpc
+from app.serve.reaper import HAPROXY
 
 TESTS = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 READY_S, STOP_S = 300.0, 150.0
@@ -77,6 +79,35 @@ def cli_server(
     """`slimserve serve --config <args> --proxy <proxy>` on free ports; stopped after with
     SIGTERM (to the CLI; ``group_stop``: to its whole process group, as `timeout` stops a
     command), with every process of its tree gone."""
+    with _launched(args, proxy, dashboard) as (proc, server):
+        try:
+            _wait_ready(proc, server)
+            yield server
+        finally:
+            _stop(proc, server.log_path, group_stop)
+
+
+@dataclass
+class EarlyStop:
+    returncode: int  # the CLI's
+    said: list[str]  # its `slimserve: ...` lines
+
+
+def stop_while_starting(args: dict, proxy: str, group_stop: bool = False) -> EarlyStop:
+    """The same server, stopped as soon as its HAProxy runs (the app may still be deploying:
+    the caller checks what the CLI said), with every process of its tree gone."""
+    with _launched(args, proxy, dashboard=False) as (proc, server):
+        end = time.monotonic() + READY_S
+        while not any(_proc_name(p) == HAPROXY for p in _tree(proc)):
+            assert proc.poll() is None, f"slimserve serve exited: {_tail(server.log_path)}"
+            assert time.monotonic() < end, f"no HAProxy in {READY_S} s"
+            time.sleep(0.1)
+        _stop(proc, server.log_path, group_stop)
+        return EarlyStop(proc.returncode, _said(server.log_path))
+
+
+@contextlib.contextmanager
+def _launched(args: dict, proxy: str, dashboard: bool) -> Iterator[tuple]:
     tmp = tempfile.mkdtemp(prefix="slimserve-cli-")
     http_port, grpc_port = free_port(), free_port()
     config = os.path.join(tmp, "serve.yaml")
@@ -101,11 +132,12 @@ def cli_server(
         grpc_port,
     )
     try:
-        _wait_ready(proc, server)
-        yield server
+        yield proc, server
     finally:
         channel.close()
-        _stop(proc, log_path, group_stop)
+        if proc.poll() is None:  # the caller failed before it stopped the server
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
         shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -123,8 +155,15 @@ def _wait_ready(proc: subprocess.Popen, server: CliServer) -> None:
         time.sleep(1)
 
 
+def _tree(proc: subprocess.Popen) -> list[psutil.Process]:
+    try:
+        return psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
 def _stop(proc: subprocess.Popen, log_path: str, group: bool = False) -> None:
-    tree = psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else []
+    tree = _tree(proc) if proc.poll() is None else []
     if group:  # the CLI's session: the GCS and raylet share its group, workers do not
         os.killpg(proc.pid, signal.SIGTERM)
     else:
@@ -135,12 +174,27 @@ def _stop(proc: subprocess.Popen, log_path: str, group: bool = False) -> None:
         os.killpg(proc.pid, signal.SIGKILL)  # the group this test started, nothing else
         proc.wait()
         raise AssertionError(f"slimserve serve ignored SIGTERM: {_tail(log_path)}") from None
+    if group:  # its GCS and raylet went first: the CLI skipped the shutdowns that ask them
+        said = _said(log_path)
+        assert any(RAY_GONE in line for line in said), said
     _, alive = psutil.wait_procs(tree, timeout=30)
     left = [p for p in alive if _running(p)]
     for p in left:  # this test's tree, not necessarily its group (actors have their own)
         with contextlib.suppress(psutil.Error):
             p.kill()
     assert not left, f"outlived slimserve serve: {[(p.pid, _name(p)) for p in left]}"
+
+
+def _said(log_path: str) -> list[str]:
+    with open(log_path, errors="replace") as f:
+        return [line.rstrip() for line in f if line.startswith("slimserve:")]
+
+
+def _proc_name(p: psutil.Process) -> str:
+    try:
+        return p.name()
+    except psutil.Error:
+        return ""
 
 
 def _name(p: psutil.Process) -> str:
