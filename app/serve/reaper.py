@@ -2,9 +2,10 @@
 exits at once when its Ray is already gone.
 
 Signalled as a process group (`timeout`, `kill -- -PGID`), the local GCS and raylet, which
-share the CLI's group, die with it (the raylet at once or ~10 s later). The Serve actors die with the raylet, but HAProxy, a
-child of the HAProxyManager actor, outlived them: reparented to init, it kept `--port` and
-its stats and metrics ports, and the next `slimserve serve` could not start. Serve's own
+share the CLI's group, die with it (the raylet at once or ~10 s later). The Serve actors
+die with the raylet, but HAProxy, a child of the HAProxyManager actor, outlived them:
+reparented to init, it kept `--port` and its stats and metrics ports, and the next
+`slimserve serve` could not start. Serve's own
 shutdown, which kills HAProxy first, could not run: it asks the dead GCS until Ray ends the
 process (~35 s).
 
