@@ -5,9 +5,8 @@ Signalled as a process group (`timeout`, `kill -- -PGID`), the local GCS and ray
 share the CLI's group, die with it (the raylet at once or ~10 s later). The Serve actors
 die with the raylet, but HAProxy, a child of the HAProxyManager actor, outlived them:
 reparented to init, it kept `--port` and its stats and metrics ports, and the next
-`slimserve serve` could not start. Serve's own
-shutdown, which kills HAProxy first, could not run: it asks the dead GCS until Ray ends the
-process (~35 s).
+`slimserve serve` could not start. Serve's own shutdown, which kills HAProxy first, could
+not run: it asks the dead GCS until Ray ends the process (~35 s).
 
 So the CLI keeps a list of the HAProxy processes below it while it serves (`HAProxyWatch`,
 updated every second; HAProxy is restarted on each backend change) and kills them before
@@ -46,7 +45,7 @@ class HAProxyWatch:
     def update(self) -> None:
         """Records the processes of that name below this one now."""
         for proc in psutil.Process().children(recursive=True):
-            if proc.pid not in self._seen and _name(proc) == self.name:
+            if proc.pid not in self._seen and process_name(proc) == self.name:
                 self._seen[proc.pid] = proc
 
     def stop(self) -> list[int]:
@@ -68,7 +67,7 @@ class LocalHead:
     """The head processes of the local Ray that this process started: its children."""
 
     def __init__(self, names: tuple[str, ...] = HEAD):
-        self.procs = [p for p in psutil.Process().children() if _name(p) in names]
+        self.procs = [p for p in psutil.Process().children() if process_name(p) in names]
 
     def lost(self, grace_s: float = 0) -> bool:
         """Whether one of them has exited, or does within ``grace_s``."""
@@ -100,7 +99,8 @@ def unless_lost(head: LocalHead, step: Callable[[], None], poll_s: float = HEAD_
     return True
 
 
-def _name(proc: psutil.Process) -> str:
+def process_name(proc: psutil.Process) -> str:
+    """Its name, or "" once it is gone."""
     try:
         return proc.name()
     except psutil.Error:  # gone

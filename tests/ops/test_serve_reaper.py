@@ -19,11 +19,17 @@ import pytest
 from app.serve.reaper import HAProxyWatch, LocalHead, unless_lost
 
 
+def stand_in(tmp_path, name: str) -> str:
+    """`sleep`, run under the process name ``name``."""
+    link = tmp_path / name
+    link.symlink_to(shutil.which("sleep"))
+    return str(link)
+
+
 def grandchild(tmp_path, name: str) -> tuple[subprocess.Popen, int]:
     """`name` (a `sleep 60`) started in the background by a shell: this process's
     grandchild while the shell runs."""
-    link = tmp_path / name
-    link.symlink_to(shutil.which("sleep"))
+    link = stand_in(tmp_path, name)
     sh = subprocess.Popen(["sh", "-c", f"{link} 60 & echo $!; wait"], stdout=subprocess.PIPE)
     return sh, int(sh.stdout.readline())
 
@@ -63,9 +69,8 @@ def test_an_orphaned_haproxy_is_killed_and_others_are_left(tmp_path):
 def head(tmp_path):
     """Two stand-ins for a GCS and a raylet, children of this process, and their LocalHead."""
     name = f"head{os.getpid() % 100000}"
-    link = tmp_path / name
-    link.symlink_to(shutil.which("sleep"))
-    procs = [subprocess.Popen([str(link), "60"]) for _ in range(2)]
+    link = stand_in(tmp_path, name)
+    procs = [subprocess.Popen([link, "60"]) for _ in range(2)]
     yield LocalHead((name,)), procs
     for p in procs:
         p.kill()

@@ -29,7 +29,7 @@ from loopback import free_port
 from app.serve.cli import RAY_GONE
 from app.serve.grpc_api.grpc_gen.slimserve.v1 import generation_pb2 as pb
 from app.serve.grpc_api.grpc_gen.slimserve.v1 import generation_pb2_grpc
-from app.serve.reaper import HAPROXY
+from app.serve.reaper import HAPROXY, process_name
 
 TESTS = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 READY_S, STOP_S = 300.0, 150.0
@@ -98,7 +98,7 @@ def stop_while_starting(args: dict, proxy: str, group_stop: bool = False) -> Ear
     the caller checks what the CLI said), with every process of its tree gone."""
     with _launched(args, proxy, dashboard=False) as (proc, server):
         end = time.monotonic() + READY_S
-        while not any(_proc_name(p) == HAPROXY for p in _tree(proc)):
+        while not any(process_name(p) == HAPROXY for p in _tree(proc)):
             assert proc.poll() is None, f"slimserve serve exited: {_tail(server.log_path)}"
             assert time.monotonic() < end, f"no HAProxy in {READY_S} s"
             time.sleep(0.1)
@@ -188,13 +188,6 @@ def _stop(proc: subprocess.Popen, log_path: str, group: bool = False) -> None:
 def _said(log_path: str) -> list[str]:
     with open(log_path, errors="replace") as f:
         return [line.rstrip() for line in f if line.startswith("slimserve:")]
-
-
-def _proc_name(p: psutil.Process) -> str:
-    try:
-        return p.name()
-    except psutil.Error:
-        return ""
 
 
 def _name(p: psutil.Process) -> str:
