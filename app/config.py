@@ -174,6 +174,14 @@ class SchedulerConfig:
         "tokens per step (and per sequence) while no prompt left to compute is longer than "
         "this; None: max_num_batched_tokens always",
     )
+    decode_steps_after_prefill: int = opt(
+        0,
+        "decode-only steps after a step that prefilled a chunk of >= prefill_chunk_for_decode_"
+        "steps tokens, while sequences decode (0: every step mixes prefills and decodes)",
+    )
+    prefill_chunk_for_decode_steps: int = opt(
+        256, "a prompt chunk this long is followed by decode_steps_after_prefill decode steps"
+    )
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting"):
@@ -181,6 +189,12 @@ class SchedulerConfig:
         _check(_positive_int(self.long_prefill_chunk), "long_prefill_chunk must be positive")
         light = self.light_load_step_tokens
         _check(light is None or _positive_int(light), "light_load_step_tokens must be > 0")
+        k = self.decode_steps_after_prefill
+        _check(_positive_int(k) or k == 0, "decode_steps_after_prefill must be an int >= 0")
+        _check(
+            _positive_int(self.prefill_chunk_for_decode_steps),
+            "prefill_chunk_for_decode_steps must be a positive integer",
+        )
 
 
 def _positive_int(x: Any) -> bool:

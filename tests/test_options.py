@@ -36,6 +36,8 @@ VALID = {
     "max_waiting": 9,
     "long_prefill_chunk": 64,
     "light_load_step_tokens": 32,
+    "decode_steps_after_prefill": 2,
+    "prefill_chunk_for_decode_steps": 128,
 }
 INVALID = {
     "dtype": "float8",
@@ -55,6 +57,8 @@ INVALID = {
     "max_waiting": 0,
     "long_prefill_chunk": 0,
     "light_load_step_tokens": 0,
+    "decode_steps_after_prefill": -1,
+    "prefill_chunk_for_decode_steps": 0,
 }
 
 

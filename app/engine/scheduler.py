@@ -8,7 +8,9 @@ compute fits in one light step, steps are light, so a burst of short prompts is 
 few at a time (the first get their first token sooner, decodes wait less). While a longer
 one is running or waiting, steps grow to `max_num_batched_tokens`, so long prompts are
 prefilled whole and a queue of them drains as fast as it arrives instead of waiting for
-its first token (docs/long_prompts.md "The served token budget"). When the block pool runs
+its first token (docs/long_prompts.md "The served token budget"). With
+`decode_steps_after_prefill` k > 0, a step that prefilled a long chunk is followed by k steps
+of the running decodes alone. When the block pool runs
 dry the most recently admitted sequence is preempted: its blocks are released (they stay in
 the prefix cache) and it is recomputed later.
 """
@@ -38,6 +40,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._decode_only_steps = 0  # left after a long prefill chunk (decode_steps_after_prefill)
 
     def add(self, seqs: list[Sequence]) -> None:
         if len(self.waiting) + len(seqs) > self.config.max_waiting:
@@ -51,8 +54,21 @@ class Scheduler:
         out = SchedulerOutput()
         decodes = [s for s in self.running if s.is_decode]
         prefills = [s for s in self.running if not s.is_decode]
+        if self._decode_only_steps and decodes:
+            self._decode_only_steps -= 1
+            full = self.config.max_num_batched_tokens
+            self._continue(decodes, full, full, out)
+            return out
         budget, chunk = self._step_budget(prefills)
-        for seq in decodes + prefills:
+        budget = self._continue(decodes + prefills, budget, chunk, out)
+        if not out.preempted:  # memory is short: don't admit what would be preempted next
+            self._admit(out, budget, chunk)
+        self._decode_only_steps = self._decode_steps_after(out)
+        return out
+
+    def _continue(self, seqs: list[Sequence], budget: int, chunk: int, out: SchedulerOutput) -> int:
+        """Schedules running sequences in order; returns the budget left."""
+        for seq in seqs:
             if seq.status is not SeqStatus.RUNNING or budget == 0:
                 continue
             # A decode with proposed tokens verifies them in this step (as an extend).
@@ -61,9 +77,19 @@ class Scheduler:
             if self._reserve(seq, n, out):
                 out.scheduled.append((seq, n))
                 budget -= n
-        if not out.preempted:  # memory is short: don't admit what would be preempted next
-            self._admit(out, budget, chunk)
-        return out
+        return budget
+
+    def _decode_steps_after(self, out: SchedulerOutput) -> int:
+        """Decode-only steps owed by this step: a long prompt chunk in it made every decode
+        wait for it, so the next steps are theirs alone. At most one gap in k + 1 between a
+        sequence's tokens then carries a long prefill (docs/long_prompts.md "Decode steps
+        after a long prefill")."""
+        k, long_chunk = (
+            self.config.decode_steps_after_prefill,
+            self.config.prefill_chunk_for_decode_steps,
+        )
+        long = any(n >= long_chunk for s, n in out.scheduled if not s.prompt_done)
+        return k if long else 0
 
     def _step_budget(self, prefills: list[Sequence]) -> tuple[int, int]:
         """(tokens this step, tokens of one sequence): the full budget while a prompt left

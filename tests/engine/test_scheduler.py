@@ -148,3 +148,70 @@ def test_concurrent_long_prompts_share_steps_up_to_the_budget(llama_path):
     steps = _two_steps(llm, [40] * 4)
     assert steps[0] == [("p0", 24), ("p1", 24), ("p2", 16)]  # 64: three prompts, one step
     assert steps[1] == [("p0", 16), ("p1", 16), ("p2", 24), ("p3", 8)]  # running ones first
+
+
+def _decode_steps_llm(llama_path, **kw):
+    options = dict(
+        max_num_batched_tokens=64,
+        long_prefill_chunk=16,
+        decode_steps_after_prefill=2,
+        prefill_chunk_for_decode_steps=8,
+    )
+    return LLM(llama_path, dtype="float32", device="cpu", block_size=4, **(options | kw))
+
+
+def _recorded_steps(llm, n: int) -> list[list[tuple[str, int]]]:
+    """The (request, new tokens) of the engine's next n steps, run for real."""
+    scheduler, steps = llm.engine.scheduler, []
+    schedule = scheduler.schedule
+
+    def recording_schedule():
+        out = schedule()
+        steps.append([(s.request_id, k) for s, k in out.scheduled])
+        return out
+
+    scheduler.schedule = recording_schedule
+    for _ in range(n):
+        llm.engine.step()
+    return steps
+
+
+def test_a_long_prefill_chunk_is_followed_by_decode_only_steps(llama_path):
+    """decode_steps_after_prefill: after a step with a prompt chunk of at least
+    prefill_chunk_for_decode_steps tokens, the decodes get that many steps to themselves,
+    then the prompt continues. Seen failing with the owed steps never set."""
+    llm = _decode_steps_llm(llama_path)
+    llm.engine.add_request(Request("d", PROMPTS[0][:4], GREEDY))
+    llm.engine.step()  # "d" now decodes
+    llm.engine.add_request(Request("long", PROMPTS[5], GREEDY))  # 28 tokens: 16 + 12
+    steps = _recorded_steps(llm, 6)
+    assert steps == [
+        [("d", 1), ("long", 16)],
+        [("d", 1)],
+        [("d", 1)],
+        [("d", 1), ("long", 12)],  # its last chunk: "long" decodes in the owed steps
+        [("d", 1), ("long", 1)],
+        [("d", 1), ("long", 1)],
+    ]
+
+
+def test_short_chunks_and_lone_prompts_owe_no_decode_steps(llama_path):
+    """A chunk under the threshold mixes as before; with nothing decoding a long prompt's
+    chunks follow each other (no step is spent waiting). Seen failing with the threshold
+    ignored, and with decode-only steps taken while no sequence decodes."""
+    llm = _decode_steps_llm(llama_path, prefill_chunk_for_decode_steps=13)
+    llm.engine.add_request(Request("d", PROMPTS[0][:4], GREEDY))
+    llm.engine.step()
+    llm.engine.add_request(Request("short", PROMPTS[1][:12], GREEDY))
+    assert _recorded_steps(llm, 2) == [[("d", 1), ("short", 12)], [("d", 1), ("short", 1)]]
+
+    lone = _decode_steps_llm(llama_path)
+    lone.engine.add_request(Request("long", PROMPTS[5], GREEDY))
+    assert _recorded_steps(lone, 2) == [[("long", 16)], [("long", 12)]]
+
+
+def test_decode_only_steps_keep_greedy_outputs(llama_path):
+    reference = LLM(llama_path, dtype="float32", device="cpu", block_size=4)
+    ref = [o.token_ids for o in reference.generate(PROMPTS, GREEDY)]
+    llm = _decode_steps_llm(llama_path, prefill_chunk_for_decode_steps=4)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == ref
