@@ -176,8 +176,8 @@ class SchedulerConfig:
     )
     decode_steps_after_prefill: int = opt(
         0,
-        "decode-only steps after a step that prefilled a chunk of >= prefill_chunk_for_decode_"
-        "steps tokens, while sequences decode (0: every step mixes prefills and decodes)",
+        "decode-only steps after a step with a long prompt chunk "
+        "(prefill_chunk_for_decode_steps), while sequences decode; 0: every step mixes them",
     )
     prefill_chunk_for_decode_steps: int = opt(
         256, "a prompt chunk this long is followed by decode_steps_after_prefill decode steps"
@@ -190,7 +190,7 @@ class SchedulerConfig:
         light = self.light_load_step_tokens
         _check(light is None or _positive_int(light), "light_load_step_tokens must be > 0")
         k = self.decode_steps_after_prefill
-        _check(_positive_int(k) or k == 0, "decode_steps_after_prefill must be an int >= 0")
+        _check(_positive_int(k) or _is_zero(k), "decode_steps_after_prefill must be an int >= 0")
         _check(
             _positive_int(self.prefill_chunk_for_decode_steps),
             "prefill_chunk_for_decode_steps must be a positive integer",
@@ -199,6 +199,10 @@ class SchedulerConfig:
 
 def _positive_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x > 0
+
+
+def _is_zero(x: Any) -> bool:
+    return type(x) is int and x == 0  # not False, not 0.0
 
 
 def _is_real(x: Any) -> bool:

@@ -9,10 +9,10 @@ few at a time (the first get their first token sooner, decodes wait less). While
 one is running or waiting, steps grow to `max_num_batched_tokens`, so long prompts are
 prefilled whole and a queue of them drains as fast as it arrives instead of waiting for
 its first token (docs/long_prompts.md "The served token budget"). With
-`decode_steps_after_prefill` k > 0, a step that prefilled a long chunk is followed by k steps
-of the running decodes alone. When the block pool runs
-dry the most recently admitted sequence is preempted: its blocks are released (they stay in
-the prefix cache) and it is recomputed later.
+`decode_steps_after_prefill` k > 0, a step that prefilled a long chunk is followed by k
+steps of the running decodes alone. When the block pool runs dry the most recently admitted
+sequence is preempted: its blocks are released (they stay in the prefix cache) and it is
+recomputed later.
 """
 
 from __future__ import annotations
