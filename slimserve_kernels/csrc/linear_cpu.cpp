@@ -10,11 +10,15 @@
 //
 // Reduction order: every output y[m, n] is one chain over k = 0 .. K-1 (acc = fma(x[m, k],
 // W[n, k], acc), from 0), then + b[n]. The chain does not depend on M, on which row of a
-// micro-tile the row sits in, or on the threads (they split panels, never k), so a row's
-// result is the same bits at any batch size: batch-invariant (aten's GEMM is not: MKL picks
-// kernels and K blockings by M).
+// micro-tile the row sits in, or on the threads (they split panels and rows, never k), so a
+// row's result is the same bits at any batch size: batch-invariant (aten's GEMM is not: MKL
+// picks kernels and K blockings by M).
 //
-// Threads: at::parallel_for over panels (torch's intra-op threads); one thread for small work.
+// Threads: torch's intra-op threads split the tasks (a chunk of panels x a block of rows), one
+// contiguous share each in the order a single thread would run them; a thread done with its
+// share takes tasks from the back of another's (`Shares`), so a thread preempted by another
+// process (a served replica shares its cores with the HTTP path and Ray) does not hold up
+// the whole GEMM at its closing barrier. One thread for small work.
 //
 // Portability: no -march flag. The kernel is compiled for AVX-512, AVX2+FMA and baseline
 // x86-64 (target attributes) and picked at the first call from the CPU's features, as in
@@ -24,6 +28,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -176,6 +181,7 @@ __attribute__((always_inline)) inline void chunk(const Problem& p, const float* 
 }
 
 constexpr int64_t kChunk = 4;  // panels per chunk (L2-resident at K <= ~4k)
+constexpr int64_t kRowBlock = 256;  // rows of x per task (a multiple of kMaxRows)
 
 // Panels [begin, end) in chunks. A partial last panel of a column-major W (not padded in
 // memory) runs alone from a zero-padded scratch copy; a packed W's last panel is padded.
@@ -227,6 +233,59 @@ const PanelsFn kPanels = pick();
 
 const char* isa_name() {
   return kPanels == panels_avx512 ? "avx512" : kPanels == panels_avx2 ? "avx2" : "baseline";
+}
+
+// Tasks [0, n) as one contiguous share per thread. A thread runs its own share from the front,
+// then takes tasks from the back of the others'. A share's (front, back) sit in one atomic
+// word, so each task is claimed exactly once.
+class Shares {
+ public:
+  Shares(int64_t n, int64_t parts) : slots_(static_cast<size_t>(parts)) {
+    for (int64_t t = 0; t < parts; ++t) slots_[t].store(pack(n * t / parts, n * (t + 1) / parts));
+  }
+
+  // Thread t's next task, or -1 when every share is empty.
+  int64_t next(int64_t t) {
+    const int64_t parts = static_cast<int64_t>(slots_.size());
+    int64_t i = take(t, true);
+    for (int64_t s = 1; i < 0 && s < parts; ++s) i = take((t + s) % parts, false);
+    return i;
+  }
+
+ private:
+  static uint64_t pack(int64_t front, int64_t back) {
+    return static_cast<uint64_t>(front) << 32 | static_cast<uint64_t>(back);
+  }
+
+  int64_t take(int64_t share, bool front) {
+    std::atomic<uint64_t>& slot = slots_[share];
+    uint64_t cur = slot.load();
+    for (;;) {
+      const int64_t f = static_cast<int64_t>(cur >> 32), b = static_cast<int64_t>(cur & 0xFFFFFFFFu);
+      if (f >= b) return -1;
+      if (slot.compare_exchange_weak(cur, front ? pack(f + 1, b) : pack(f, b - 1)))
+        return front ? f : b - 1;
+    }
+  }
+
+  std::vector<std::atomic<uint64_t>> slots_;
+};
+
+// All of y over `threads` threads: task i is panel chunk i / blocks x row block i % blocks
+// (chunk-major: a share runs as the panel split did, each chunk over every row).
+void split(const Problem& p, int64_t panels_n, int64_t threads) {
+  const int64_t blocks = (p.m + kRowBlock - 1) / kRowBlock;
+  const int64_t chunks = (panels_n + kChunk - 1) / kChunk;
+  Shares shares(chunks * blocks, threads);
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t i = shares.next(t); i >= 0; i = shares.next(t)) {
+        const int64_t c = i / blocks, r0 = i % blocks * kRowBlock;
+        Problem rows = p;  // rows [r0, r0 + kRowBlock) of x and y
+        rows.x += r0 * p.x_row, rows.y += r0 * p.n, rows.m = std::min(kRowBlock, p.m - r0);
+        kPanels(rows, c * kChunk, std::min(panels_n, (c + 1) * kChunk));
+      }
+  });
 }
 
 // W [N, K] float32 (any strides) -> panels [ceil(N / 32), K, 32], the tail zero-padded.
@@ -282,9 +341,12 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, int64_t n,
   const int64_t panels_n = (n + kPanel - 1) / kPanel;
   // >= ~64k multiply-adds (m * k * 32 per panel) per task: a fork costs a few microseconds.
   const int64_t grain = std::max<int64_t>(1, 2048 / std::max<int64_t>(1, m * k));
-  at::parallel_for(0, panels_n, grain, [&](int64_t begin, int64_t end) {
-    kPanels(p, begin, end);
-  });
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), panels_n / grain);
+  if (threads <= 1 || at::in_parallel_region()) {
+    kPanels(p, 0, panels_n);
+  } else {
+    split(p, panels_n, threads);
+  }
   return y;
 }
 
@@ -296,7 +358,21 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, int64_t n,
 using NoGil = pybind11::call_guard<pybind11::gil_scoped_release>;
 constexpr NoGil kNoGil{};
 
+// The tasks `Shares(n, parts)` hands out to a given sequence of claims (thread ids), -1 where
+// none is left: the work split's rules, checked by tests/kernels/test_cpu_linear.py.
+std::vector<int64_t> shares_claims(int64_t n, int64_t parts, const std::vector<int64_t>& order) {
+  TORCH_CHECK(n >= 0 && n < (int64_t{1} << 31) && parts > 0, "shares_claims: bad n or parts");
+  Shares shares(n, parts);
+  std::vector<int64_t> out;
+  for (const int64_t t : order) {
+    TORCH_CHECK(t >= 0 && t < parts, "shares_claims: thread ", t, " out of range");
+    out.push_back(shares.next(t));
+  }
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("shares_claims", &shares_claims, "the tasks Shares(n, parts) gives a sequence of claims");
   m.def("pack", &pack, kNoGil, "W [N, K] float32 -> panels [ceil(N / 32), K, 32] (zero-padded)");
   m.def("linear", &linear, kNoGil, "x [..., K] @ W^T (+ b) over packed or column-major W (CPU float32)");
   m.def("isa", &isa_name, "the instruction set the kernel runs with on this CPU");
