@@ -10,6 +10,12 @@ are subtracted from their parent. "other" is the step's time outside every wrapp
 
     python bench/step_profile.py [--batches 1,8,32] [--eager] [--label before] [--threads 2]
 
+Decode steps over long contexts (the steps a long prompt's stream waits on between tokens):
+--prompt-len N (prompts of N random ids), --kv-cache-dtype fp8_e4m3 (the served default)
+and --decode-only (only steps in which every scheduled sequence decodes are timed and
+counted), e.g. `--batches 1,8,32 --prompt-len 1000 --gen 24 --kv-cache-dtype fp8_e4m3
+--decode-only --label decode_1000_fp8`.
+
 With --threads N > 1 the CPU columns count only this thread (the other torch threads' work
 inside an op is not charged); read the wall columns (`wall_us_per_step`) then.
 
@@ -41,9 +47,13 @@ class Timers:
         self.cpu = dict.fromkeys(PARTS + ("step",), 0.0)
         self.wall = dict.fromkeys(PARTS + ("step",), 0.0)
         self.stack: list[str] = []
+        self.on = True  # off: nothing is charged (--decode-only, a step with a prefill)
 
     @contextmanager
     def part(self, name: str):
+        if not self.on:
+            yield
+            return
         c0, w0 = time.thread_time(), time.perf_counter()
         self.stack.append(name)
         try:
@@ -91,37 +101,49 @@ def instrument(llm) -> Timers:
     return t
 
 
-def profile(model: str, batch: int, temperature: float, gen: int, eager: bool) -> dict:
+def all_decoding(engine) -> bool:
+    """The next step decodes only: nothing waits, every running sequence has its prompt."""
+    running = engine.scheduler.running
+    return bool(running) and not engine.scheduler.waiting and all(s.is_decode for s in running)
+
+
+def profile(model: str, batch: int, temperature: float, args) -> dict:
     from app import LLM, SamplingParams
 
-    kw = {"enforce_eager": True} if eager else {}
+    kw = {"enforce_eager": True} if args.eager else {}
     llm = LLM(
         model,
         dtype="float32",
         device="cpu",
         kv_cache_memory_bytes=256 << 20,
+        kv_cache_dtype=args.kv_cache_dtype,
         enable_prefix_caching=False,
         **kw,
     )
     top_p = 0.9 if temperature else 1.0
-    params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=gen, ignore_eos=True)
+    params = SamplingParams(
+        temperature=temperature, top_p=top_p, max_tokens=args.gen, ignore_eos=True
+    )
     vocab = llm.engine.model_config.vocab_size
-    llm.generate(random_prompts(7, batch, vocab), params)  # warm-up (and any compile)
+    lengths = (args.prompt_len, args.prompt_len) if args.prompt_len else (32, 64)
+    llm.generate(random_prompts(7, batch, vocab, *lengths), params)  # warm-up (and any compile)
     timers = instrument(llm)
     steps = 0
     step = llm.engine.step
 
     def counted():
         nonlocal steps
-        steps += 1
+        timers.on = not args.decode_only or all_decoding(llm.engine)
+        steps += timers.on
         return step()
 
     llm.engine.step = counted
     start = time.perf_counter()
-    outs = llm.generate(random_prompts(8, batch, vocab), params)
+    outs = llm.generate(random_prompts(8, batch, vocab, *lengths), params)
     wall = time.perf_counter() - start
     llm.shutdown()
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    timed_tokens = steps * batch if args.decode_only else tokens  # a decode step: one each
     cpu = dict(timers.cpu)
     cpu["other"] = cpu.pop("step")
     wall_parts = dict(timers.wall)
@@ -132,7 +154,7 @@ def profile(model: str, batch: int, temperature: float, gen: int, eager: bool) -
         "tok_s": tokens / wall,
         "cpu_us_per_step": {k: 1e6 * v / steps for k, v in cpu.items()},
         "wall_us_per_step": {k: 1e6 * v / steps for k, v in wall_parts.items()},
-        "cpu_us_per_token": 1e6 * sum(cpu.values()) / tokens,
+        "cpu_us_per_token": 1e6 * sum(cpu.values()) / timed_tokens,
     }
 
 
@@ -144,6 +166,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--eager", action="store_true", help="enforce_eager=True")
     ap.add_argument("--label", default="current")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    ap.add_argument("--prompt-len", type=int, default=0, help="0: 32-64 random ids")
+    ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--decode-only", action="store_true", help="time decode-only steps")
     ap.add_argument("--out", default=RESULTS)
     args = ap.parse_args(argv)
     import torch
@@ -153,7 +178,7 @@ def main(argv=None) -> dict:
     rows = {}
     for batch in (int(b) for b in args.batches.split(",")):
         for name, temp in (("greedy", 0.0), ("T=0.8 top_p=0.9", 0.8)):
-            rows[f"{batch} {name}"] = r = profile(model, batch, temp, args.gen, args.eager)
+            rows[f"{batch} {name}"] = r = profile(model, batch, temp, args)
             parts = " ".join(f"{k}={v:.0f}" for k, v in r["cpu_us_per_step"].items())
             print(f"{batch} {name}: {r['cpu_us_per_token']:.0f} us CPU/token; per step {parts}")
             walls = " ".join(f"{k}={v:.0f}" for k, v in r["wall_us_per_step"].items())
@@ -168,6 +193,9 @@ def main(argv=None) -> dict:
         "loadavg": os.getloadavg(),
         "eager": args.eager,
         "threads": args.threads,
+        "prompt_len": args.prompt_len or "32-64",
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "decode_only": args.decode_only,
         "rows": rows,
     }
     os.makedirs(args.out, exist_ok=True)
