@@ -1,5 +1,5 @@
 """Nothing lost under load, served (issue 34): greedy outputs equal the offline engine's,
-no request fails, and every KV block is free again after each run, in both modes at every
+no request fails, and every KV block is free again after each run, in every mode at every
 prompt length.
 
 Per mode (`slimserve serve` as `make serve` starts it, which on a box whose replicas share
@@ -11,9 +11,10 @@ loop of --streams concurrent streams sends --requests fresh prompts through the 
 1,000-token prompt gets 24, the default model's context being 1,024). Each output (text and
 finish reason) is compared with the offline engine's (`LLM`, the served engine options,
 all prompts in one call, KV memory for all of them so nothing is preempted). After each
-run, the engine replicas' own stats (Serve's `broadcast("stats")`, from a driver process
-of its own) must show no running sequence and every KV block free (cached prefixes count
-as free), and the hand-off box (disaggregated) must hold nothing, within --settle-s.
+run, every engine deployment of the mode must be read (Serve's `broadcast("stats")`, from
+a driver process of its own) with no sequence running or waiting and every KV block free
+(cached prefixes count as free), and the hand-off box (disaggregated) must hold nothing,
+within --settle-s. A failed read counts as not settled.
 
     python bench/nothing_lost.py [--modes disaggregated,disaggregated-always,colocated]
         [--workloads 128,512,1000,mixed] [--streams 32] [--requests 64] [--tag T]
@@ -44,16 +45,13 @@ LENGTHS = {"128": (128,), "512": (512,), "1000": (1000,), "mixed": (128, 512, 10
 # Read by a driver process of its own (a Ray connection in this process would outlive the
 # server it attaches to): every engine replica's stats and the hand-off box's.
 STATS_CODE = """
-import asyncio, json, ray
+import asyncio, json, sys, ray
 from ray import serve
 ray.init(address="auto", logging_level="ERROR")
 out = {}
-for name in ("EngineServer", "PrefillServer", "DecodeServer"):
-    try:
-        handle = serve.get_deployment_handle(name, "slimserve")
-        out[name] = list(handle.broadcast("stats").results())
-    except Exception:  # not a deployment of this mode
-        pass
+for name in sys.argv[1].split(","):
+    handle = serve.get_deployment_handle(name, "slimserve")
+    out[name] = list(handle.broadcast("stats").results())
 if "PrefillServer" in out:  # disaggregated: the hand-off box (HandOffs starts a missing one)
     from app.kvstore.handoff import HandOffs
     out["box"] = asyncio.run(HandOffs("slimserve-kvstore").stats())
@@ -85,6 +83,7 @@ class Run:
     settled_s: float | None = None
     replicas: list[dict] = field(default_factory=list)
     box: dict = field(default_factory=dict)
+    error: str | None = None  # the last stats read's failure, if it failed
 
     @property
     def ok(self) -> bool:
@@ -147,26 +146,42 @@ async def served_outputs(url: str, model: str, prompts: list[list[int]], streams
     return out
 
 
-def engine_stats() -> dict:
-    done = subprocess.run(
-        [sys.executable, "-c", STATS_CODE],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=Path(__file__).resolve().parent.parent,
-    )
+def deployments(mode: str) -> tuple[str, ...]:
+    """The engine deployments a mode runs (bench/serve_vs_vllm.py's mode names)."""
+    return ("EngineServer",) if mode == "colocated" else ("PrefillServer", "DecodeServer")
+
+
+def engine_stats(names: tuple[str, ...]) -> dict:
+    """{deployment: [each replica's stats]} (+ "box"), or {"error": why} if the read failed."""
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", STATS_CODE, ",".join(names)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=Path(__file__).resolve().parent.parent,
+        )
+    except subprocess.TimeoutExpired:
+        return {"error": "reading the replicas' stats timed out"}
     line = next((x for x in done.stdout.splitlines() if x.startswith("STATS ")), None)
     if line is None:
-        raise RuntimeError(f"reading the replicas' stats failed: {done.stderr[-2000:]}")
+        return {"error": done.stderr[-2000:]}
     return json.loads(line[len("STATS ") :])
 
 
-def settled(stats: dict) -> bool:
-    replicas = [s for name, group in stats.items() if name != "box" for s in group]
+def settled(stats: dict, names: tuple[str, ...]) -> bool:
+    """Every deployment read, no sequence running or waiting, every block free, the box
+    (where there is one) empty."""
+    if "error" in stats or not all(stats.get(n) for n in names):
+        return False
+    replicas = [s for n in names for s in stats[n]]
     idle = all(
-        s["num_running"] == 0 and s["kv_blocks_free"] == s["kv_blocks_total"] for s in replicas
+        s["num_running"] == 0
+        and s.get("num_waiting", 0) == 0
+        and s["kv_blocks_free"] == s["kv_blocks_total"]
+        for s in replicas
     )
-    return bool(replicas) and idle and stats.get("box", {}).get("held", 0) == 0
+    return idle and stats.get("box", {}).get("held", 0) == 0
 
 
 def check(run: Run, served: list[Outcome], offline: list[Outcome]) -> None:
@@ -187,22 +202,22 @@ def run_mode(mode: str, model: str, args, references: dict) -> list[Run]:
             run = Run(mode, name, len(prompts))
             served = asyncio.run(served_outputs(server.url, server.model, prompts, args.streams))
             check(run, served, offline)
-            t0 = time.perf_counter()
+            t0, names = time.perf_counter(), deployments(mode)
             while True:
-                stats = engine_stats()
-                if settled(stats):
+                stats = engine_stats(names)
+                if settled(stats, names):
                     run.settled_s = round(time.perf_counter() - t0, 1)
                     break
                 if time.perf_counter() - t0 > args.settle_s:
                     break
                 time.sleep(1.0)
-            keep = ("num_running", "kv_blocks_free", "kv_blocks_total")
+            keep = ("num_running", "num_waiting", "kv_blocks_free", "kv_blocks_total")
             run.replicas = [
-                {"deployment": n, **{k: s[k] for k in keep}}
-                for n, group in stats.items()
-                if n != "box"
-                for s in group
+                {"deployment": n, **{k: s.get(k) for k in keep}}
+                for n in names
+                for s in stats.get(n, [])
             ]
+            run.error = stats.get("error")
             run.box = stats.get("box", {})
             print(json.dumps({**asdict(run), "ok": run.ok}), flush=True)
             runs.append(run)

@@ -12,9 +12,11 @@ are subtracted from their parent. "other" is the step's time outside every wrapp
 
 Decode steps over long contexts (the steps a long prompt's stream waits on between tokens):
 --prompt-len N (prompts of N random ids), --kv-cache-dtype fp8_e4m3 (the served default)
-and --decode-only (only steps in which every scheduled sequence decodes are timed and
-counted), e.g. `--batches 1,8,32 --prompt-len 1000 --gen 24 --kv-cache-dtype fp8_e4m3
---decode-only --label decode_1000_fp8`.
+and --decode-only: every prompt is prefilled in one step (the step budget raised to hold
+them all), then only the steps in which every sequence decodes are timed and counted, so
+each of them runs the whole batch (`decode_batch_mean` says so); e.g. `--batches 1,8,32
+--prompt-len 1000 --gen 24 --kv-cache-dtype fp8_e4m3 --decode-only --label
+decode_1000_fp8`. `tok_s` always includes the prefill.
 
 With --threads N > 1 the CPU columns count only this thread (the other torch threads' work
 inside an op is not charged); read the wall columns (`wall_us_per_step`) then.
@@ -111,6 +113,9 @@ def profile(model: str, batch: int, temperature: float, args) -> dict:
     from app import LLM, SamplingParams
 
     kw = {"enforce_eager": True} if args.eager else {}
+    if args.decode_only:  # one prefill step for the whole batch: the decodes run together
+        longest = args.prompt_len or 64
+        kw |= {"max_num_batched_tokens": max(2048, batch * longest), "long_prefill_chunk": longest}
     llm = LLM(
         model,
         dtype="float32",
@@ -128,13 +133,14 @@ def profile(model: str, batch: int, temperature: float, args) -> dict:
     lengths = (args.prompt_len, args.prompt_len) if args.prompt_len else (32, 64)
     llm.generate(random_prompts(7, batch, vocab, *lengths), params)  # warm-up (and any compile)
     timers = instrument(llm)
-    steps = 0
+    steps = batch_rows = 0
     step = llm.engine.step
 
     def counted():
-        nonlocal steps
+        nonlocal steps, batch_rows
         timers.on = not args.decode_only or all_decoding(llm.engine)
         steps += timers.on
+        batch_rows += len(llm.engine.scheduler.running) if timers.on else 0
         return step()
 
     llm.engine.step = counted
@@ -143,7 +149,7 @@ def profile(model: str, batch: int, temperature: float, args) -> dict:
     wall = time.perf_counter() - start
     llm.shutdown()
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    timed_tokens = steps * batch if args.decode_only else tokens  # a decode step: one each
+    timed_tokens = batch_rows if args.decode_only else tokens  # a decode step: one each
     cpu = dict(timers.cpu)
     cpu["other"] = cpu.pop("step")
     wall_parts = dict(timers.wall)
@@ -152,6 +158,7 @@ def profile(model: str, batch: int, temperature: float, args) -> dict:
         "steps": steps,
         "tokens": tokens,
         "tok_s": tokens / wall,
+        "decode_batch_mean": batch_rows / max(steps, 1),
         "cpu_us_per_step": {k: 1e6 * v / steps for k, v in cpu.items()},
         "wall_us_per_step": {k: 1e6 * v / steps for k, v in wall_parts.items()},
         "cpu_us_per_token": 1e6 * sum(cpu.values()) / timed_tokens,

@@ -240,8 +240,11 @@ const char* isa_name() {
 // word, so each task is claimed exactly once.
 class Shares {
  public:
+  static constexpr int64_t kMaxTasks = int64_t{1} << 32;  // front and back: 32 bits each
+
   Shares(int64_t n, int64_t parts) : slots_(static_cast<size_t>(parts)) {
-    for (int64_t t = 0; t < parts; ++t) slots_[t].store(pack(n * t / parts, n * (t + 1) / parts));
+    for (int64_t t = 0; t < parts; ++t)
+      slots_[t].word.store(pack(n * t / parts, n * (t + 1) / parts));
   }
 
   // Thread t's next task, or -1 when every share is empty.
@@ -258,7 +261,7 @@ class Shares {
   }
 
   int64_t take(int64_t share, bool front) {
-    std::atomic<uint64_t>& slot = slots_[share];
+    std::atomic<uint64_t>& slot = slots_[share].word;
     uint64_t cur = slot.load();
     for (;;) {
       const int64_t f = static_cast<int64_t>(cur >> 32), b = static_cast<int64_t>(cur & 0xFFFFFFFFu);
@@ -268,22 +271,36 @@ class Shares {
     }
   }
 
-  std::vector<std::atomic<uint64_t>> slots_;
+  struct alignas(64) Slot {  // one cache line each: a claim does not stall the others'
+    std::atomic<uint64_t> word{0};
+  };
+  std::vector<Slot> slots_;
 };
+
+// How y's work is cut: `blocks` blocks of rows times chunks of `width` panels (one panel
+// a task when all rows fit one block, as many tasks as the panels, as in a panel split).
+struct Tasks {
+  int64_t blocks, width, count;
+};
+
+Tasks tasks_of(int64_t m, int64_t panels_n) {
+  const int64_t blocks = (m + kRowBlock - 1) / kRowBlock;
+  const int64_t width = blocks == 1 ? 1 : kChunk;
+  return Tasks{blocks, width, blocks * ((panels_n + width - 1) / width)};
+}
 
 // All of y over `threads` threads: task i is panel chunk i / blocks x row block i % blocks
 // (chunk-major: a share runs as the panel split did, each chunk over every row).
-void split(const Problem& p, int64_t panels_n, int64_t threads) {
-  const int64_t blocks = (p.m + kRowBlock - 1) / kRowBlock;
-  const int64_t chunks = (panels_n + kChunk - 1) / kChunk;
-  Shares shares(chunks * blocks, threads);
+void split(const Problem& p, int64_t panels_n, const Tasks& tasks, int64_t threads) {
+  TORCH_CHECK(tasks.count < Shares::kMaxTasks, "linear: too many tasks to split");
+  Shares shares(tasks.count, threads);
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
       for (int64_t i = shares.next(t); i >= 0; i = shares.next(t)) {
-        const int64_t c = i / blocks, r0 = i % blocks * kRowBlock;
+        const int64_t c = i / tasks.blocks, r0 = i % tasks.blocks * kRowBlock;
         Problem rows = p;  // rows [r0, r0 + kRowBlock) of x and y
         rows.x += r0 * p.x_row, rows.y += r0 * p.n, rows.m = std::min(kRowBlock, p.m - r0);
-        kPanels(rows, c * kChunk, std::min(panels_n, (c + 1) * kChunk));
+        kPanels(rows, c * tasks.width, std::min(panels_n, (c + 1) * tasks.width));
       }
   });
 }
@@ -339,13 +356,16 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, int64_t n,
   p.y = y.data_ptr<float>();
   if (m == 0 || n == 0) return y;
   const int64_t panels_n = (n + kPanel - 1) / kPanel;
-  // >= ~64k multiply-adds (m * k * 32 per panel) per task: a fork costs a few microseconds.
+  // A thread per >= ~64k multiply-adds (m * k * 32 per panel): a fork costs a few
+  // microseconds.
   const int64_t grain = std::max<int64_t>(1, 2048 / std::max<int64_t>(1, m * k));
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), panels_n / grain);
+  const Tasks tasks = tasks_of(m, panels_n);
+  const int64_t threads = std::min<int64_t>(
+      {at::get_num_threads(), (panels_n + grain - 1) / grain, tasks.count});
   if (threads <= 1 || at::in_parallel_region()) {
     kPanels(p, 0, panels_n);
   } else {
-    split(p, panels_n, threads);
+    split(p, panels_n, tasks, threads);
   }
   return y;
 }
@@ -361,7 +381,8 @@ constexpr NoGil kNoGil{};
 // The tasks `Shares(n, parts)` hands out to a given sequence of claims (thread ids), -1 where
 // none is left: the work split's rules, checked by tests/kernels/test_cpu_linear.py.
 std::vector<int64_t> shares_claims(int64_t n, int64_t parts, const std::vector<int64_t>& order) {
-  TORCH_CHECK(n >= 0 && n < (int64_t{1} << 31) && parts > 0, "shares_claims: bad n or parts");
+  TORCH_CHECK(n >= 0 && n < Shares::kMaxTasks && parts > 0 && parts <= 4096,
+              "shares_claims: n in [0, 2**32), parts in [1, 4096]");
   Shares shares(n, parts);
   std::vector<int64_t> out;
   for (const int64_t t : order) {

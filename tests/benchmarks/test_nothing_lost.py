@@ -5,11 +5,18 @@ from __future__ import annotations
 
 import pytest
 
-from bench.nothing_lost import LENGTHS, Outcome, Run, check, settled, workload_prompts
+from bench.nothing_lost import LENGTHS, Outcome, Run, check, deployments, settled, workload_prompts
+
+COLOCATED, DISAGGREGATED = deployments("colocated"), deployments("disaggregated")
 
 
-def replica(running=0, free=100, total=100) -> dict:
-    return {"num_running": running, "kv_blocks_free": free, "kv_blocks_total": total}
+def replica(running=0, waiting=0, free=100, total=100) -> dict:
+    return {
+        "num_running": running,
+        "num_waiting": waiting,
+        "kv_blocks_free": free,
+        "kv_blocks_total": total,
+    }
 
 
 def test_a_run_counts_matches_mismatches_and_errors_apart():
@@ -33,22 +40,29 @@ def test_a_run_is_ok_only_when_everything_matched_and_the_server_settled():
 
 
 @pytest.mark.parametrize(
-    "stats",
+    "names, stats",
     [
-        {"EngineServer": [replica(running=1, free=90)]},
-        {"EngineServer": [replica(free=99)]},  # a leaked block
-        {"PrefillServer": [replica()], "DecodeServer": [replica(free=50)]},
-        {"PrefillServer": [replica()], "DecodeServer": [replica()], "box": {"held": 1}},
-        {},  # no replica read: nothing is known
+        (COLOCATED, {"EngineServer": [replica(running=1, free=90)]}),
+        (COLOCATED, {"EngineServer": [replica(waiting=1)]}),  # queued, never run
+        (COLOCATED, {"EngineServer": [replica(free=99)]}),  # a leaked block
+        (DISAGGREGATED, {"PrefillServer": [replica()], "DecodeServer": [replica(free=50)]}),
+        (
+            DISAGGREGATED,
+            {"PrefillServer": [replica()], "DecodeServer": [replica()], "box": {"held": 1}},
+        ),
+        (DISAGGREGATED, {"PrefillServer": [replica()], "box": {"held": 0}}),  # decode not read
+        (COLOCATED, {"error": "the read timed out"}),
+        (COLOCATED, {}),  # nothing read: nothing is known
     ],
 )
-def test_a_server_is_not_settled_while_anything_is_held(stats):
-    assert not settled(stats)
+def test_a_server_is_not_settled_while_anything_is_held_or_unread(names, stats):
+    assert not settled(stats, names)
 
 
 def test_a_server_is_settled_when_every_replica_and_the_box_are_free():
-    assert settled({"EngineServer": [replica(), replica(free=7, total=7)]})
-    assert settled({"PrefillServer": [replica()], "DecodeServer": [replica()], "box": {"held": 0}})
+    assert settled({"EngineServer": [replica(), replica(free=7, total=7)]}, COLOCATED)
+    both = {"PrefillServer": [replica()], "DecodeServer": [replica()], "box": {"held": 0}}
+    assert settled(both, DISAGGREGATED)
 
 
 def test_workloads_have_their_lengths_and_fresh_prompts():

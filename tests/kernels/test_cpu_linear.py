@@ -87,24 +87,29 @@ def test_a_row_gives_the_same_bits_in_any_batch_and_thread_count():
 
 
 def test_row_blocks_and_shares_give_the_reference_bits_at_any_thread_count():
-    """A batch of many row blocks (256 rows) and a partial one, split into one share of tasks
+    """Batches of many row blocks (256 rows) and a partial one, split into one share of tasks
     per thread, shares taken from each other's backs: the same bits as one thread computing
     it all, at 2 threads and at more threads than cores (threads then run late and the
-    others take what they have not started). Seen failing with a steal that took the wrong
-    task."""
+    others take what they have not started). Packed and column-major W (its partial last
+    panel through a scratch copy), contiguous and strided x; two inputs alternate, so a
+    task left undone cannot pass on the last call's output."""
     g = torch.Generator().manual_seed(3)
     w, b = torch.randn(200, 96, generator=g), torch.randn(200, generator=g)
-    packed = cpu_linear.pack(w)
-    x = torch.randn(16 * 256 + 100, 96, generator=g)  # 17 row blocks x 2 chunks of panels
+    rows = 16 * 256 + 100  # 17 row blocks x 2 chunks of panels
+    wide = torch.randn(rows, 120, generator=g)
+    xs = (torch.randn(rows, 96, generator=g), wide[:, 7:103])
     threads = torch.get_num_threads()
     try:
-        torch.set_num_threads(1)
-        alone = cpu_linear.linear(x, packed, 200, b)
-        torch.testing.assert_close(alone, reference(x, w, b), **TOL)
-        for t in (2, 3, 8):
-            torch.set_num_threads(t)
-            for _ in range(5):
-                assert torch.equal(cpu_linear.linear(x, packed, 200, b), alone)
+        for weights in (cpu_linear.pack(w), w.t().contiguous().t()):
+            torch.set_num_threads(1)
+            alone = [cpu_linear.linear(x, weights, 200, b) for x in xs]
+            for x, y in zip(xs, alone, strict=True):
+                torch.testing.assert_close(y, reference(x, w, b), **TOL)
+            for t in (2, 3, 8):
+                torch.set_num_threads(t)
+                for i in range(6):
+                    got = cpu_linear.linear(xs[i % 2], weights, 200, b)
+                    assert torch.equal(got, alone[i % 2])
     finally:
         torch.set_num_threads(threads)
 
@@ -117,14 +122,18 @@ def test_a_thread_runs_its_share_then_takes_from_the_back_of_the_others():
     claims = cpu_linear.load().shares_claims
     # thread 0 alone: its share, then thread 1's from the back; then nothing for anyone
     assert claims(10, 2, [0] * 11 + [1]) == [0, 1, 2, 3, 4, 9, 8, 7, 6, 5, -1, -1]
-    # interleaved: each from its own front until a share runs dry
-    assert claims(10, 2, [0, 1, 0, 1, 1, 1, 1, 0, 0]) == [0, 5, 1, 6, 7, 8, 9, 2, 3]
+    # interleaved: each from its own front until a share runs dry, then from the other's back
+    assert claims(10, 2, [0, 1, 0, 1, 1, 1, 1, 0, 1, 0]) == [0, 5, 1, 6, 7, 8, 9, 2, 4, 3]
     assert claims(10, 2, [1] * 7) == [5, 6, 7, 8, 9, 4, 3]
     # three shares of 7 tasks ([0, 2), [2, 4), [4, 7)): a steal tries the next share first
     assert claims(7, 3, [2, 2, 2, 2, 2, 2, 2, 2]) == [4, 5, 6, 1, 0, 3, 2, -1]
+    # more threads than tasks: empty shares go straight to the others'
+    assert claims(2, 4, [3, 3, 3]) == [1, 0, -1]
     order = [0, 2, 1, 1, 1, 0, 2, 0, 1, 2, 1, 0, 0]
     got = claims(23, 3, order * 3)
     assert sorted(t for t in got if t >= 0) == list(range(23))
+    with pytest.raises(RuntimeError, match="out of range"):
+        claims(4, 2, [2])
 
 
 def test_bad_inputs_raise():
