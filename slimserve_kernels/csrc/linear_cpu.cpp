@@ -264,7 +264,8 @@ class Shares {
     std::atomic<uint64_t>& slot = slots_[share].word;
     uint64_t cur = slot.load();
     for (;;) {
-      const int64_t f = static_cast<int64_t>(cur >> 32), b = static_cast<int64_t>(cur & 0xFFFFFFFFu);
+      const int64_t f = static_cast<int64_t>(cur >> 32);
+      const int64_t b = static_cast<int64_t>(cur & 0xFFFFFFFFu);
       if (f >= b) return -1;
       if (slot.compare_exchange_weak(cur, front ? pack(f + 1, b) : pack(f, b - 1)))
         return front ? f : b - 1;
