@@ -24,6 +24,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 # Its own store: a shard of the shared name that an earlier test just killed can still be
 # found by name for a moment (create_store reuses shards by name).
 STORE = "slimserve-kvstore-metrics-test"
+SHORT_MAX_TOKENS = 100  # a 20-token prompt then needs 8 blocks of 16, the whole budget
 UNTESTED_HERE = (*COST_POLICY_METRICS, "slimserve:kv_export_failures")
 # cost_aware off: the cost policy could pause speculation on a slow machine
 NGRAM = {
@@ -113,7 +114,7 @@ def test_metrics_endpoint_shows_every_metric_with_sane_values(ray_session, check
     three spec_decode_* counters were reported missing after 120 s (CI); with ReplicaMetrics
     skipping spec_decode_num_drafts, "not exported after 120s: [..._num_drafts_total]"."""
     model = checkpoint_factory("llama")
-    # Room for 8 blocks: one 100-token prompt fits, three growing sequences do not (preemption).
+    # Room for 8 blocks: one 100-token prompt fits, two growing short ones do not (preemption).
     budget = 8 * kv_block_bytes(model)
     engine = {"dtype": "float32", "kv_cache_memory_bytes": budget, "speculative_config": NGRAM}
     args = tiny_serve_args(model, engine=engine, store_name=STORE)
@@ -141,17 +142,32 @@ def test_metrics_endpoint_shows_every_metric_with_sane_values(ray_session, check
         corrupt_first_chunk(long_prompt)
         complete(url, other, 4)
         complete(url, long_prompt, 4)  # integrity failure, recomputed
-        # Under one 32-token chunk: prefilled on the decode replica (local_prefill_max_tokens)
-        short = [[int(t) for t in rng.integers(3, 300, 20)] for _ in range(3)]
-        usage["local"] = len(short)
-        # ... once the ingress can have seen its KV free again: a report from while the last
-        # prompt held 7 of its 8 blocks sends a short prompt remote (decode_kv_full; seen:
-        # local prefills, or with fewer local sequences the preemptions, never came)
-        decode_kv_free_again(args["routing_stats_period_s"])
-        with concurrent.futures.ThreadPoolExecutor(3) as pool:
-            list(pool.map(lambda p: complete(url, p, 60), short))  # decode KV runs out
+        preempt_on_decode(lambda p: complete(url, p, SHORT_MAX_TOKENS), rng, usage, args)
         samples = wait_for_all(port, usage, baseline, live_replicas())
     check(samples, usage)
+
+
+def preempt_on_decode(complete, rng, usage: dict, args: dict, rounds: int = 6) -> None:
+    """Three short prompts at once, in rounds until the decode replica preempted one. Each is
+    under one 32-token chunk, so it is prefilled on the decode replica
+    (local_prefill_max_tokens); 20 + 100 tokens need the whole KV budget, so two running
+    together preempt. Each takes about 0.1 s: on a loaded box one can finish before the next
+    arrives (seen in CI: no preemption; here with 0.1 s between them, every time)."""
+    from ray import serve
+
+    decode = serve.get_deployment_handle("DecodeServer", "slimserve")
+    for _ in range(rounds):
+        short = [[int(t) for t in rng.integers(3, 300, 20)] for _ in range(3)]
+        # ... once the ingress can have seen its KV free again: a report from while a prompt
+        # held most of the 8 blocks sends a short prompt remote (decode_kv_full; seen: local
+        # prefills, or with fewer local sequences the preemptions, never came)
+        decode_kv_free_again(args["routing_stats_period_s"])
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            list(pool.map(complete, short))
+        usage["local"] += len(short)
+        if decode.stats.remote().result(timeout_s=30)["preemptions"] > 0:
+            return
+    raise AssertionError(f"no preemption on the decode replica in {rounds} rounds")
 
 
 def decode_kv_free_again(period_s: float) -> None:
