@@ -309,9 +309,38 @@ def ratio(a: float | None, b: float | None) -> str:
     return f"{a / b:.2f}x" if a and b else "-"
 
 
+# Issue 34's goals per cell, against the vLLM run beside the mode: tok/s at least vLLM's, TTFT
+# p50 at most 1.2x (colocated) or 1.5x (disaggregated), and disaggregated ITL p50 at most 0.6x
+# at long prompts (>= LONG_PROMPT tokens), the reason to disaggregate.
+TOK_S_GOAL, ITL_GOAL, LONG_PROMPT = 1.0, 0.6, 512
+
+
+def ttft_goal(mode: str) -> float:
+    return 1.2 if mode.startswith("colocated") else 1.5
+
+
+def bold_if(text: str, met: bool) -> str:
+    return f"**{text}**" if met else text
+
+
+def goal_cells(mode: str, plen: int, v: dict, p: dict) -> tuple[str, str, str]:
+    """One level's three cells of the table, each bold where it meets its goal."""
+    tok, ttft = v["output_tok_s"], v["ttft_p50_s"]
+    their_tok, their_ttft = p.get("output_tok_s"), p.get("ttft_p50_s")
+    itl, their_itl = v["itl_p50_s"], p.get("itl_p50_s")
+    has_peer = bool(their_tok and their_ttft)
+    itl_text = f"{ms(itl)} vs {ms(their_itl)}"
+    itl_goal = mode.startswith("disaggregated") and plen >= LONG_PROMPT
+    return (
+        bold_if(ratio(tok, their_tok), has_peer and tok >= TOK_S_GOAL * their_tok),
+        bold_if(ratio(ttft, their_ttft), has_peer and ttft <= ttft_goal(mode) * their_ttft),
+        bold_if(itl_text, itl_goal and bool(their_itl) and itl <= ITL_GOAL * their_itl),
+    )
+
+
 def markdown(result: dict) -> str:
     """docs/performance.md's table: per (mode, client, length), slimserve vs vLLM at each level:
-    tok/s ratio, TTFT p50 ratio, ITL p50 (ms) of both."""
+    tok/s ratio, TTFT p50 ratio, ITL p50 (ms) of both; bold where a cell meets its goal."""
     t = result["summary"]
     lines = [
         "| mode | client | prompt | tok/s vs vLLM | TTFT p50 vs vLLM | ITL p50 ms, ours vs vLLM |",
@@ -323,13 +352,9 @@ def markdown(result: dict) -> str:
         for client, by_len in t[side].items():
             for plen, by_c in by_len.items():
                 theirs = peer.get(client, {}).get(plen, {})
-                cells = [[], [], []]
-                for c, v in by_c.items():
-                    p = theirs.get(c, {})
-                    cells[0].append(ratio(v["output_tok_s"], p.get("output_tok_s")))
-                    cells[1].append(ratio(v["ttft_p50_s"], p.get("ttft_p50_s")))
-                    cells[2].append(f"{ms(v['itl_p50_s'])} vs {ms(p.get('itl_p50_s'))}")
-                row = " | ".join(" / ".join(x) for x in cells[:2]) + " | " + "; ".join(cells[2])
+                cells = [goal_cells(mode, int(plen), v, theirs.get(c, {})) for c, v in by_c.items()]
+                tok, ttft, itl = zip(*cells)
+                row = f"{' / '.join(tok)} | {' / '.join(ttft)} | {'; '.join(itl)}"
                 lines.append(f"| {mode} | {client} | {plen} | {row} |")
     levels = next(iter(next(iter(t.values())).values()), {})
     lines.append(f"\nlevels (concurrent streams): {' / '.join(next(iter(levels.values()), {}))}")

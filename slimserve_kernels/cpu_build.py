@@ -4,9 +4,11 @@ Each source is one torch extension, built once per torch version and source with
 `torch.utils.cpp_extension.load` into torch's extensions directory (`TORCH_EXTENSIONS_DIR`,
 default ~/.cache/torch_extensions). The name carries a digest of the source, the torch
 version and the torch install's path, so a changed source or torch rebuilds instead of
-loading a stale module; the source is compiled from a copy inside the build directory, so
-checkouts at other paths (git worktrees) of one venv with the same source share one build
-instead of rebuilding it in turn. Two venvs (a CI clone's and a developer's) get a build
+loading a stale module; the digest covers the `.cpp` and every header of `csrc/` (the
+kernels share `vec16.h` and others), so a changed header rebuilds too. The sources are
+compiled from copies inside the build directory, so checkouts at other paths (git
+worktrees) of one venv with the same source share one build instead of rebuilding it in
+turn. Two venvs (a CI clone's and a developer's) get a build
 each: torch writes the venv's include and library paths into the build's `build.ninja`, so
 one shared build directory was rebuilt every time the other venv loaded it (seen: a CLI
 test timing out behind the other venv's rebuild lock). Concurrent first builds (several
@@ -43,7 +45,7 @@ ENV = "SLIMSERVE_CPU_KERNELS"
 # In the digest: a change of how builds are laid out gets its own directories, so processes
 # of an older checkout (loading from their source path) and a newer one do not rebuild one
 # directory in turn.
-_LAYOUT = b"source copied into the build directory"
+_LAYOUT = b"source and csrc headers copied into the build directory"
 # OpenMP on: ATen's `at::parallel_for` (ParallelOpenMP.h) splits work only where `_OPENMP` is
 # defined at compile time; without -fopenmp every kernel ran on one thread whatever
 # `torch.set_num_threads` said. The link names libgomp.so.1, the soname of the runtime torch
@@ -122,27 +124,41 @@ def build(stem: str, what: str, logger: logging.Logger) -> ModuleType:
     `what` names the kernel in the log lines."""
     from torch.utils import cpp_extension
 
-    source = os.path.join(CSRC, f"{stem}.cpp")
-    with open(source, "rb") as f:
-        name = build_name(stem, f.read())
+    files = source_files(stem)
+    name = build_name(stem, b"".join(read(path) for path in files))
     build_dir = cpp_extension._get_build_directory(name, verbose=False)  # torch's own layout
     # A first build takes tens of seconds of one core (three instruction-set copies); say
     # so, or the first step that uses it looks hung. A cached build loads in well under 1 s.
     logger.info("%s: loading the C++ kernel (a first build takes ~40 s, once)", what)
     with _build_lock(build_dir):
-        copy = os.path.join(build_dir, f"{stem}.cpp")
-        if not os.path.exists(copy):  # same digest, same bytes: an existing copy is current
-            shutil.copyfile(source, copy + ".tmp")
-            os.replace(copy + ".tmp", copy)
+        for path in files:  # same digest, same bytes: an existing copy is current
+            copy = os.path.join(build_dir, os.path.basename(path))
+            if not os.path.exists(copy):
+                shutil.copyfile(path, copy + ".tmp")
+                os.replace(copy + ".tmp", copy)
         module = cpp_extension.load(
             name=name,
-            sources=[copy],
+            sources=[os.path.join(build_dir, f"{stem}.cpp")],
             extra_cflags=_FLAGS,
             extra_ldflags=["-fopenmp"],
             build_directory=build_dir,
         )
     logger.info("%s: C++ kernel loaded, %s (%s)", what, module.isa(), module.__file__)
     return module
+
+
+def source_files(stem: str) -> list[str]:
+    """csrc/<stem>.cpp, then every header of csrc/ by name: what the digest covers and the
+    build directory gets a copy of."""
+    headers = sorted(f for f in os.listdir(CSRC) if f.endswith(".h"))
+    return [os.path.join(CSRC, f"{stem}.cpp")] + [os.path.join(CSRC, h) for h in headers]
+
+
+def read(path: str) -> bytes:
+    """A file's name and bytes, for the digest: a renamed header changes what an `#include`
+    finds, so it is another source."""
+    with open(path, "rb") as f:
+        return os.path.basename(path).encode() + b"\0" + f.read()
 
 
 @contextlib.contextmanager

@@ -33,6 +33,8 @@
 #include <cstring>
 #include <vector>
 
+#include "vec16.h"
+
 namespace {
 
 constexpr int64_t kPanel = 32;  // output columns per panel
@@ -41,18 +43,6 @@ constexpr int64_t kMaxRows = 8;  // rows of x per micro-tile
 // k row takes a few cycles, so 6 KiB.
 template <int MR>
 constexpr int64_t kAhead = MR <= 2 ? 48 : 16;
-
-typedef float Vec16 __attribute__((vector_size(64)));
-
-__attribute__((always_inline)) inline Vec16 load16(const float* p) {
-  Vec16 v;
-  std::memcpy(&v, p, sizeof(v));  // unaligned load
-  return v;
-}
-
-__attribute__((always_inline)) inline void store16(float* p, Vec16 v) {
-  std::memcpy(p, &v, sizeof(v));
-}
 
 // The operands of one call. W element (n, k) sits at w[(n / 32) * w_panel + k * w_k + n % 32].
 struct Problem {

@@ -20,6 +20,9 @@
 // baseline x86-64, by target attributes) and picked at the first call from what the CPU
 // supports, so a build cached on one machine runs on any x86-64 machine
 // (slimserve_kernels/README.md).
+//
+// Beside it: vec16.h (the 16-lane vectors and their math), fp8_codes.h (FP8 codes decoded
+// and written), paged_cache.h (the cache's kinds and strides).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -37,18 +40,11 @@
 #include <limits>
 #include <vector>
 
+#include "fp8_codes.h"
+#include "paged_cache.h"
+#include "vec16.h"
+
 namespace {
-
-enum class CacheKind : int { kFloat32 = 0, kFp8 = 1, kBFloat16 = 2, kFloat16 = 3 };
-
-// The paged cache of one layer as the kernel reads it: [num_blocks, block_size, Hkv, D]
-// (D contiguous), scales [num_blocks, block_size, Hkv] for FP8.
-struct Cache {
-  const void* data;
-  const int8_t* scale;  // FP8 only
-  int64_t s_block, s_tok, s_head;  // element strides of the cache
-  int64_t e_block, e_tok, e_head;  // element strides of the scales
-};
 
 // The new query tokens [j0, j1) of sequence b, against KV head h; cost: its tokens times
 // the keys its last token sees.
@@ -68,95 +64,6 @@ struct Problem {
   float sm_scale;
   CacheKind kind;
 };
-
-template <typename To, typename From>
-__attribute__((always_inline)) inline To bits_as(From x) {  // std::bit_cast (C++20)
-  To y;
-  std::memcpy(&y, &x, sizeof(y));
-  return y;
-}
-
-// 2**e exactly: from its bits where it is a normal float (e >= -126; every exponent kv_write
-// stores, [-100, 127], and their negations but -127), else ldexp (a libm call).
-__attribute__((always_inline)) inline float exp2i(int e) {
-  return e >= -126 ? bits_as<float>(static_cast<uint32_t>(e + 127) << 23) : std::ldexp(1.0f, e);
-}
-
-// The value of an e4m3 code times 2**-8, exactly (fp8_values' entry / 256, tested for all 256
-// codes), in branch-free integer arithmetic that vectorizes (a table lookup is a gather per
-// element): a normal code's exponent and mantissa fields move into fp32's and the bias goes
-// from 7 to 127 + 8; a subnormal one is mantissa * 2**-17; exponent and mantissa all ones is
-// NaN. The 2**-8 is the AVX copies' unit (fp8_rows_avx512): the 256 goes back in with the
-// per-token scale, a power of two, so products and sums round as with the exact values.
-__attribute__((always_inline)) inline float e4m3_unit(uint8_t code) {
-  const uint32_t mag = code & 0x7Fu, sign = static_cast<uint32_t>(code & 0x80u) << 24;
-  const uint32_t normal = (mag << 20) + (112u << 23);
-  const float subnormal = static_cast<float>(static_cast<int32_t>(mag & 7u)) * 0x1p-17f;
-  // All-ones / all-zeros masks, not ternaries: GCC left the ternary form scalar here.
-  const uint32_t is_normal = 0u - static_cast<uint32_t>(mag >= 8u);
-  const uint32_t is_nan = 0u - static_cast<uint32_t>(mag == 0x7Fu);
-  uint32_t bits = (normal & is_normal) | (bits_as<uint32_t>(subnormal) & ~is_normal);
-  bits = (0x7FC00000u & is_nan) | (bits & ~is_nan);
-  return bits_as<float>(bits | sign);
-}
-
-constexpr float kFp8Unit = 256.0f;  // an FP8 tile holds value * 2**-8 (e4m3_unit)
-
-// dst[t * d + i] = e4m3_unit(src[t * stride + i]) for t < n, i < d: n FP8 rows of a block.
-// Baseline copy: the integer decode above, vectorized by GCC.
-void fp8_rows_baseline(const uint8_t* __restrict src, int64_t stride, int64_t n, int64_t d,
-                       float* __restrict dst) {
-  for (int64_t t = 0; t < n; ++t)
-    for (int64_t i = 0; i < d; ++i) dst[t * d + i] = e4m3_unit(src[t * stride + i]);
-}
-
-// AVX copies: an e4m3 code moved into fp16's fields is the fp16 of its value * 2**-8
-// (sign to bit 15, exponent and mantissa to bits 7..13: bias 7 against fp16's 15, and a
-// subnormal code lands on the fp16 subnormal with the same mantissa), which the hardware
-// widens exactly (vcvtph2ps, subnormals included); a sign-extended code shifted left by 7
-// and masked with 0xBF80 is that fp16. Exponent and mantissa all ones become an fp16 NaN.
-// 3 integer ops and 2 conversions per 32 codes against ~12 ops per 16 in the baseline form.
-__attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma,f16c")))
-void fp8_rows_avx512(const uint8_t* __restrict src, int64_t stride, int64_t n, int64_t d,
-                     float* __restrict dst) {
-  const __m512i fields = _mm512_set1_epi16(static_cast<int16_t>(0xBF80));
-  const __m512i all_ones = _mm512_set1_epi16(0x3F80), nan = _mm512_set1_epi16(0x7E00);
-  for (int64_t t = 0; t < n; ++t) {
-    const uint8_t* s = src + t * stride;
-    float* o = dst + t * d;
-    int64_t i = 0;
-    for (; i + 32 <= d; i += 32) {
-      __m512i h = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i)));
-      h = _mm512_and_si512(_mm512_slli_epi16(h, 7), fields);
-      const __mmask32 is_nan = _mm512_cmpeq_epi16_mask(_mm512_and_si512(h, all_ones), all_ones);
-      h = _mm512_mask_mov_epi16(h, is_nan, nan);
-      _mm512_storeu_ps(o + i, _mm512_cvtph_ps(_mm512_castsi512_si256(h)));
-      _mm512_storeu_ps(o + i + 16, _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)));
-    }
-    for (; i < d; ++i) o[i] = e4m3_unit(s[i]);
-  }
-}
-
-__attribute__((target("avx2,fma,f16c")))
-void fp8_rows_avx2(const uint8_t* __restrict src, int64_t stride, int64_t n, int64_t d,
-                   float* __restrict dst) {
-  const __m256i fields = _mm256_set1_epi16(static_cast<int16_t>(0xBF80));
-  const __m256i all_ones = _mm256_set1_epi16(0x3F80), nan = _mm256_set1_epi16(0x7E00);
-  for (int64_t t = 0; t < n; ++t) {
-    const uint8_t* s = src + t * stride;
-    float* o = dst + t * d;
-    int64_t i = 0;
-    for (; i + 16 <= d; i += 16) {
-      __m256i h = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i)));
-      h = _mm256_and_si256(_mm256_slli_epi16(h, 7), fields);
-      const __m256i is_nan = _mm256_cmpeq_epi16(_mm256_and_si256(h, all_ones), all_ones);
-      h = _mm256_blendv_epi8(h, nan, is_nan);
-      _mm256_storeu_ps(o + i, _mm256_cvtph_ps(_mm256_castsi256_si128(h)));
-      _mm256_storeu_ps(o + i + 8, _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)));
-    }
-    for (; i < d; ++i) o[i] = e4m3_unit(s[i]);
-  }
-}
 
 enum class Isa { kAvx512, kAvx2, kBaseline };
 
@@ -198,76 +105,6 @@ __attribute__((always_inline)) inline const float* chunk_rows(const Problem& p, 
   }
 }
 
-// 16 floats as one vector value (GCC/Clang vector extension): one zmm in the AVX-512 copy, two
-// ymm / four xmm in the others. Loops over `float acc[16]` arrays were left half scalar by
-// GCC's vectorizer here (perf: scalar FMAs and stack round trips in the dot's sum and the V
-// accumulation were most of a decode's kernel time).
-typedef float Vec16 __attribute__((vector_size(64)));
-typedef int32_t Vec16i __attribute__((vector_size(64)));
-typedef float Vec8 __attribute__((vector_size(32)));
-typedef float Vec4 __attribute__((vector_size(16)));
-
-__attribute__((always_inline)) inline Vec16 load16(const float* p) {
-  Vec16 v;
-  std::memcpy(&v, p, sizeof(v));  // unaligned load
-  return v;
-}
-
-__attribute__((always_inline)) inline void store16(float* p, Vec16 v) {
-  std::memcpy(p, &v, sizeof(v));
-}
-
-__attribute__((always_inline)) inline Vec16 splat16(float x) { return Vec16{} + x; }
-
-__attribute__((always_inline)) inline Vec16 select16(Vec16i mask, Vec16 a, Vec16 b) {
-  return bits_as<Vec16>((bits_as<Vec16i>(a) & mask) | (bits_as<Vec16i>(b) & ~mask));
-}
-
-// Sum / max of the 16 lanes by halving: 16 -> 8 -> 4 lanes as vector ops, then 4 scalars.
-__attribute__((always_inline)) inline float lane_sum(Vec16 v) {
-  Vec8 lo, hi;
-  std::memcpy(&lo, &v, sizeof(lo));
-  std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof(lo), sizeof(hi));
-  const Vec8 s8 = lo + hi;
-  Vec4 lo4, hi4;
-  std::memcpy(&lo4, &s8, sizeof(lo4));
-  std::memcpy(&hi4, reinterpret_cast<const char*>(&s8) + sizeof(lo4), sizeof(hi4));
-  const Vec4 s4 = lo4 + hi4;
-  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
-}
-
-__attribute__((always_inline)) inline float lane_max(Vec16 v) {
-  Vec8 lo, hi;
-  std::memcpy(&lo, &v, sizeof(lo));
-  std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof(lo), sizeof(hi));
-  const Vec8 s8 = lo > hi ? lo : hi;
-  Vec4 lo4, hi4;
-  std::memcpy(&lo4, &s8, sizeof(lo4));
-  std::memcpy(&hi4, reinterpret_cast<const char*>(&s8) + sizeof(lo4), sizeof(hi4));
-  const Vec4 s4 = lo4 > hi4 ? lo4 : hi4;
-  return std::max(std::max(s4[0], s4[2]), std::max(s4[1], s4[3]));
-}
-
-// lane i of the result: a[2i] + a[2i + 1] style pair sums of two vectors (masks below).
-__attribute__((always_inline)) inline Vec16 pair_sum(Vec16 a, Vec16 b, Vec16i lo, Vec16i hi) {
-  return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, hi);
-}
-
-// part[t] are key t's 16 partial dot products -> lane t = their sum, for 16 keys at once:
-// a transpose-and-add tree (15 adds, 30 two-vector shuffles for 16 keys) instead of one
-// 16-lane reduction per key. After level 1 lane L holds a partial of part[L & 1] of its pair,
-// after level 2 of part[L & 3] of its four, ..., after level 4 the whole sum of part[L].
-__attribute__((always_inline)) inline Vec16 sum_each(Vec16* part) {
-  const Vec16i m1 = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
-  const Vec16i m2 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
-  const Vec16i m3 = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
-  const Vec16i m4 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
-  for (int i = 0; i < 8; ++i) part[i] = pair_sum(part[2 * i], part[2 * i + 1], m1, m1 + 1);
-  for (int i = 0; i < 4; ++i) part[i] = pair_sum(part[2 * i], part[2 * i + 1], m2, m2 + 2);
-  for (int i = 0; i < 2; ++i) part[i] = pair_sum(part[2 * i], part[2 * i + 1], m3, m3 + 4);
-  return pair_sum(part[0], part[1], m4, m4 + 8);
-}
-
 // Lane t: q . keys[t] for t < n (0 past n), 16 columns at a time per key, one vector of
 // partial sums per key, all summed at once by sum_each.
 __attribute__((always_inline)) inline Vec16 scores(const float* __restrict q,
@@ -285,35 +122,6 @@ __attribute__((always_inline)) inline Vec16 scores(const float* __restrict q,
     part[t] = a;
   }
   return sum_each(part);
-}
-
-// exp(x) for x <= 0 (a score minus its row's running max; -inf -> 0), within ~2 ulp of expf,
-// 16 lanes at a time (glibc's expf is a call per element): Cephes' range reduction
-// x = n ln2 + r (n = x log2(e) rounded to nearest by the 1.5 * 2**23 trick, which also
-// leaves n in the low mantissa bits) and degree-6 polynomial, 2**n from exponent bits.
-// Below -87 the result is 0 (expf's is < 2**-125, next to the row max's 1 in the sum).
-__attribute__((always_inline)) inline Vec16 exp_nonpositive(Vec16 x) {
-  const Vec16i keep = x >= -87.0f;  // lanes of all ones / zeros: no branch
-  x = select16(keep, x, splat16(-87.0f));
-  constexpr float kShift = 0x1.8p23f;
-  const Vec16 shifted = x * 1.44269504088896341f + kShift;
-  const Vec16 n = shifted - kShift;
-  Vec16 r = x - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;
-  Vec16 y = splat16(1.9875691500e-4f);
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * r * r + r + 1.0f;
-  const Vec16i n_int = bits_as<Vec16i>(shifted) - bits_as<int32_t>(kShift);
-  const Vec16 scale = bits_as<Vec16>((n_int + 127) << 23);
-  return bits_as<Vec16>(bits_as<Vec16i>(y * scale) & keep);
-}
-
-__attribute__((always_inline)) inline float exp_nonpositive(float x) {
-  return exp_nonpositive(splat16(x))[0];
 }
 
 // For each of R rows r: acc[r][0..d) += sum over t < n of w[r][t] * v[t * stride + i]. 64
@@ -532,28 +340,6 @@ const char* isa_name() {
   return f == attend_avx512 ? "avx512" : f == attend_avx2 ? "avx2" : "baseline";
 }
 
-CacheKind cache_kind(const at::Tensor& c) {
-  switch (c.scalar_type()) {
-    case at::kFloat: return CacheKind::kFloat32;
-    case at::kFloat8_e4m3fn: return CacheKind::kFp8;
-    case at::kBFloat16: return CacheKind::kBFloat16;
-    case at::kHalf: return CacheKind::kFloat16;
-    default: TORCH_CHECK(false, "paged_attention: unsupported cache dtype ", c.scalar_type());
-  }
-}
-
-Cache view_cache(const at::Tensor& c, const c10::optional<at::Tensor>& scale, bool fp8) {
-  TORCH_CHECK(c.dim() == 4 && c.stride(3) == 1, "cache: [num_blocks, block_size, Hkv, D], D contiguous");
-  Cache v{c.data_ptr(), nullptr, c.stride(0), c.stride(1), c.stride(2), 0, 0, 0};
-  if (fp8) {
-    TORCH_CHECK(scale.has_value() && scale->scalar_type() == at::kChar && scale->dim() == 3,
-                "an FP8 cache needs int8 scales [num_blocks, block_size, Hkv]");
-    v.scale = scale->data_ptr<int8_t>();
-    v.e_block = scale->stride(0), v.e_tok = scale->stride(1), v.e_head = scale->stride(2);
-  }
-  return v;
-}
-
 }  // namespace
 
 // q [T, Hq, D] float32 -> [T, Hq, D] float32. query_start None: T == B, one row per sequence.
@@ -603,32 +389,6 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
   });
   return out;
 }
-
-namespace {
-
-// reference.fp8_scale_exponent for one row: e = ceil(log2(amax / 448)) from amax = m * 2**E
-// (m in [0.5, 1), 448 = 0.875 * 2**9), amax floored at 2**-100, e clamped to [-100, 127].
-int8_t fp8_exponent(const float* x, int64_t d) {
-  float amax = 0.0f;
-  for (int64_t i = 0; i < d; ++i) amax = std::max(amax, std::fabs(x[i]));
-  int big_e;
-  const float m = std::frexp(std::max(amax, 0x1p-100f), &big_e);
-  return static_cast<int8_t>(std::clamp(big_e - 9 + (m > 0.875f ? 1 : 0), -100, 127));
-}
-
-// reference.quantize_fp8 of one row into the cache: x * 2**-e clamped to +-448, cast with
-// c10's own float -> e4m3fn rounding (what the reference's .to() does).
-void quantize_row(const float* x, int64_t d, uint8_t* dst, int8_t* e_dst) {
-  const int8_t e = fp8_exponent(x, d);
-  const float inv = exp2i(-e);
-  for (int64_t i = 0; i < d; ++i) {
-    const float y = std::clamp(x[i] * inv, -448.0f, 448.0f);
-    dst[i] = c10::Float8_e4m3fn(y).x;
-  }
-  *e_dst = e;
-}
-
-}  // namespace
 
 // reference.kv_write for an FP8 or float32 cache, bit for bit: k, v [T, Hkv, D] float32 (D
 // contiguous) into slot slot_mapping[t] (int64; < 0 = skip); FP8 quantized per (token, head)

@@ -15,13 +15,17 @@ pytestmark = pytest.mark.skipif(
     platform.machine().lower() not in ("x86_64", "amd64"), reason="the C++ kernels are x86-64"
 )
 
+# The kernel includes a header of csrc/, as the real ones do (vec16.h): the build compiles a
+# copy in its build directory, so the header has to be copied there too.
 TINY = textwrap.dedent(
     """
     #include <pybind11/pybind11.h>
-    static const char* isa() { return "tiny"; }
+    #include "tiny_name.h"
+    static const char* isa() { return kTinyName; }
     PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("isa", &isa); }
     """
 )
+TINY_HEADER = 'static const char* kTinyName = "tiny";\n'
 BUILD = textwrap.dedent(
     """
     import logging, sys
@@ -37,6 +41,7 @@ def checkout(root, name: str) -> str:
     csrc = root / name
     csrc.mkdir()
     (csrc / "tiny.cpp").write_text(TINY)
+    (csrc / "tiny_name.h").write_text(TINY_HEADER)
     return str(csrc)
 
 
@@ -145,3 +150,22 @@ def test_kernels_split_work_over_torchs_threads(tmp_path):
     csrc.mkdir()
     (csrc / "parallel.cpp").write_text(PARALLEL)
     assert build(str(csrc), str(tmp_path / "ext"), script=THREADS).split() == ["1", "2"]
+
+
+def test_a_changed_header_is_another_build(tmp_path, monkeypatch):
+    """The digest covers csrc's headers: an edited header would otherwise load the build of
+    the old one. Seen failing: with the digest over the .cpp alone."""
+    from slimserve_kernels import cpu_build
+
+    def name() -> str:
+        files = cpu_build.source_files("tiny")
+        return cpu_build.build_name("tiny", b"".join(cpu_build.read(f) for f in files))
+
+    monkeypatch.setattr(cpu_build, "CSRC", checkout(tmp_path, "csrc"))
+    before = name()
+    assert name() == before
+    (tmp_path / "csrc" / "tiny_name.h").write_text(TINY_HEADER.replace("tiny", "tinier"))
+    edited = name()
+    assert edited != before
+    (tmp_path / "csrc" / "tiny_name.h").rename(tmp_path / "csrc" / "other.h")
+    assert name() != edited  # the same bytes, found by another #include
