@@ -21,6 +21,11 @@ GRPC_SERVICERS = "app.serve.grpc_api.grpc_servicer.add_slimserve_grpc_servicers"
 PROXIES = ("haproxy", "serve")
 DEFAULT_PROXY = "haproxy"
 HAPROXY_ENV = "RAY_SERVE_ENABLE_HA_PROXY"
+# How long an Ingress replica behind HAProxy stays reachable once told to stop, so that load
+# balancers in front can deregister it first (Ray's default, 30 s, was every Ctrl-C's wait).
+# The CLI's Ray has one load balancer, its own HAProxy, stopped before Serve shuts down, and
+# HAProxy retries a refused connection on another replica: 2 s, unless the variable is set.
+DRAIN_ENV, LOCAL_DRAIN_S = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "2"
 # Ray's token authentication (docs/operations.md "Ray dashboard"): the mode, and where the
 # token is read from: the variable, else the file the path names, else ~/.ray/auth_token.
 AUTH_MODE_ENV, AUTH_TOKEN_ENV, AUTH_TOKEN_PATH_ENV = (
@@ -124,6 +129,7 @@ def use_proxy(proxy: str) -> None:
     if constants is not None and constants.RAY_SERVE_ENABLE_HA_PROXY is not wanted:
         raise RuntimeError(f"--proxy {proxy}: Ray Serve was imported with the other proxy")
     os.environ.update(env)
+    os.environ.setdefault(DRAIN_ENV, LOCAL_DRAIN_S)  # read by the replicas, when they start
 
 
 def application(args: argparse.Namespace) -> dict:

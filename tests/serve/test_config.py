@@ -120,3 +120,19 @@ def test_proxy_is_fixed_before_ray_serve_is_imported(monkeypatch):
         use_proxy(other)
     use_proxy(imported)
     assert os.environ[HAPROXY_ENV] == proxy_env(imported)[HAPROXY_ENV]
+
+
+def test_the_clis_ray_drains_an_ingress_replica_for_2_s_unless_told(monkeypatch):
+    """Ray's 30 s window for load balancers in front of HAProxy has none to wait for in the
+    CLI's own Ray; a value the user exported is kept."""
+    from ray.serve._private import constants
+
+    from app.serve.cli import DRAIN_ENV, use_proxy
+
+    proxy = "haproxy" if constants.RAY_SERVE_ENABLE_HA_PROXY else "serve"
+    monkeypatch.delenv(DRAIN_ENV, raising=False)
+    use_proxy(proxy)
+    assert os.environ[DRAIN_ENV] == "2"
+    monkeypatch.setenv(DRAIN_ENV, "45")
+    use_proxy(proxy)
+    assert os.environ[DRAIN_ENV] == "45"

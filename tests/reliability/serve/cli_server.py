@@ -10,7 +10,9 @@ of its tree outlives it (they would escape the session's orphan check once re-pa
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -26,13 +28,15 @@ import psutil
 import yaml
 from loopback import free_port
 
-from app.serve.cli import RAY_GONE
+from app.serve.cli import LOCAL_DRAIN_S, RAY_GONE
 from app.serve.grpc_api.grpc_gen.slimserve.v1 import generation_pb2 as pb
 from app.serve.grpc_api.grpc_gen.slimserve.v1 import generation_pb2_grpc
 from app.serve.reaper import HAPROXY, process_name
 
 TESTS = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 READY_S, STOP_S = 300.0, 150.0
+DRAIN_LINE = re.compile(r"Draining: staying reachable for ([0-9.]+)s")
+LOGS_LINE = re.compile(r"Ray logs in (\S+)")
 
 
 @dataclass
@@ -60,9 +64,6 @@ def _env(tmp: str) -> dict[str, str]:
         "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT": str(free_port()),
         "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
         "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()),
-        # An Ingress replica drains >= 30 s before it stops (for outside load balancers);
-        # nothing here needs that, and it would double the module's time.
-        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",
         # HAProxy's files (config, admin socket) under a short path of this run's own.
         "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": os.path.join(tmp, "haproxy.cfg"),
         "RAY_SERVE_HAPROXY_SOCKET_PATH": os.path.join(tmp, "admin.sock"),
@@ -85,6 +86,20 @@ def cli_server(
             yield server
         finally:
             _stop(proc, server.log_path, group_stop)
+        if proxy == "haproxy" and not group_stop:  # Serve's shutdown ran and drained
+            assert _drain_windows(server.log_path) == [float(LOCAL_DRAIN_S)]
+
+
+def _drain_windows(log_path: str) -> list[float]:
+    """The seconds each Ingress replica of the run stayed reachable once told to stop, from
+    its log in the Ray session the CLI named (the CLI's drain setting reaches the replicas:
+    with Ray's default every stop here waited 30 s)."""
+    logs = next(m.group(1) for line in _said(log_path) if (m := LOGS_LINE.search(line)))
+    found = []
+    for path in glob.glob(os.path.join(logs, "serve", "replica_*_Ingress_*.log")):
+        with open(path, errors="replace") as f:
+            found += [float(m.group(1)) for m in DRAIN_LINE.finditer(f.read())]
+    return found
 
 
 @dataclass
