@@ -130,7 +130,8 @@ def test_the_clis_ray_drains_an_ingress_replica_for_2_s_unless_told(monkeypatch)
     from app.serve.cli import DRAIN_ENV, use_proxy
 
     proxy = "haproxy" if constants.RAY_SERVE_ENABLE_HA_PROXY else "serve"
-    monkeypatch.delenv(DRAIN_ENV, raising=False)
+    monkeypatch.setenv(DRAIN_ENV, "")  # records the session's value, restored after
+    monkeypatch.delenv(DRAIN_ENV)
     use_proxy(proxy)
     assert os.environ[DRAIN_ENV] == "2"
     monkeypatch.setenv(DRAIN_ENV, "45")
