@@ -9,6 +9,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Iterator
 
 import yaml
 
@@ -242,7 +243,7 @@ def run(args: argparse.Namespace) -> int:
     prometheus, proxies, head = None, HAProxyWatch(), LocalHead()
     signal.signal(signal.SIGTERM, _stopped)  # replaces the handler ray.init installed
     try:
-        with contextlib.suppress(KeyboardInterrupt, Stopped):
+        with until_stopped():
             if args.metrics:
                 from app.serve.metrics_stack import Prometheus, ray_metrics_targets
 
@@ -291,6 +292,24 @@ class Stopped(Exception):
 
 def _stopped(*_) -> None:
     raise Stopped
+
+
+STOPS = (KeyboardInterrupt, Stopped)
+
+
+@contextlib.contextmanager
+def until_stopped() -> Iterator[None]:
+    """Ends its block quietly on Ctrl-C or SIGTERM, and on nothing else. A signal handled
+    while Ray's core waits in `ray.get` (serve.start waits for its proxies) comes out as a
+    SystemError caused by the handler's exception (seen: a server stopped while deploying
+    exited 1, "returned a result with an exception set")."""
+    try:
+        yield
+    except STOPS:
+        pass
+    except SystemError as e:
+        if not isinstance(e.__cause__, STOPS):
+            raise
 
 
 def say(line: str) -> None:

@@ -137,3 +137,22 @@ def test_the_clis_ray_drains_an_ingress_replica_for_2_s_unless_told(monkeypatch)
     monkeypatch.setenv(DRAIN_ENV, "45")
     use_proxy(proxy)
     assert os.environ[DRAIN_ENV] == "45"
+
+
+def test_the_cli_stops_quietly_on_its_signals_only():
+    """A stop signal handled inside Ray's core surfaces as a SystemError caused by it: that
+    one stops quietly too; any other error still surfaces."""
+    from app.serve.cli import Stopped, until_stopped
+
+    def raised_in_ray(cause: BaseException) -> None:
+        raise SystemError("returned a result with an exception set") from cause
+
+    for stop in (Stopped(), KeyboardInterrupt()):
+        with until_stopped():
+            raise stop
+        with until_stopped():
+            raised_in_ray(stop)
+    with pytest.raises(SystemError), until_stopped():
+        raised_in_ray(ValueError("not a stop"))
+    with pytest.raises(ValueError), until_stopped():
+        raise ValueError("not a stop")
