@@ -18,12 +18,11 @@ from dataclasses import dataclass
 import httpx
 import yaml
 from loopback import free_port
-from reliability.serve.cli_server import _env, _stop, _tail
+from reliability.serve.cli_server import LOGS_LINE, _env, _stop, _tail
 
 READY_S = 300.0
 DASHBOARD_LINE = re.compile(r"slimserve: Ray dashboard on (http://\S+)")
 TOKEN_LINE = re.compile(r"slimserve: dashboard sign in with the token in (\S+)")
-LOGS_LINE = re.compile(r"slimserve: Ray logs in (\S+)")
 PANELS_LINE = re.compile(r"slimserve: slimserve panels on (http://\S+)")
 
 

@@ -36,7 +36,7 @@ from app.serve.reaper import HAPROXY, process_name
 TESTS = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 READY_S, STOP_S = 300.0, 150.0
 DRAIN_LINE = re.compile(r"Draining: staying reachable for ([0-9.]+)s")
-LOGS_LINE = re.compile(r"Ray logs in (\S+)")
+LOGS_LINE = re.compile(r"slimserve: Ray logs in (\S+)")  # the Ray session's logs folder
 
 
 @dataclass
